@@ -1,0 +1,37 @@
+# tether — the two commands a newcomer needs are `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/tether/v1/*.proto)
+GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+
+.PHONY: help setup proto run test test-fast bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP) proto  ## virtualenv, packages and generated gRPC code
+
+proto: $(STAMP) $(GEN)  ## generate Python code from protos/ (grpcio-tools)
+
+tether/v1/%_pb2.py: protos/tether/v1/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+run: setup  ## start the local cluster on the embedded tiny model and show it answering
+	$(BIN)/python -m tether.cli.demo
+
+test: setup  ## the whole test suite (unit + services on loopback)
+	$(BIN)/python -m pytest -q
+
+bench: setup  ## load sweep with audit against a cluster this target starts
+	$(BIN)/python -m tether.cli.main bench --spawn --out bench-out
+
+clean:  ## remove the virtualenv, generated code and caches
+	rm -rf $(VENV) tether/v1/*_pb2*.py tether/v1/*_pb2.pyi .pytest_cache

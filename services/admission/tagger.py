@@ -1,0 +1,657 @@
+"""Rule-based intent tagger for the admission service.
+
+The admission service has to decide, before a request touches a GPU, how big
+the answer will be, which prefix cache it can share, and how important it is.
+Calling a model for that would cost more than it saves, so this module uses
+lexicons and regular expressions only (Chinese and English), and is pure: no
+I/O, no global state beyond compiled patterns.
+
+Output budget
+-------------
+An explicit length constraint in the prompt ("不超过50字", "in under 50 words")
+caps the number of tokens we reserve for the answer. The implied budget is
+``ceil(limit * tokens_per_unit + overhead)`` with the table ``BUDGET_RULES``:
+
+=========  ===================================  ========
+unit       tokens per unit                      overhead
+=========  ===================================  ========
+chars      1.5 * tokens_per_char                8
+words      2.0                                  8
+sentences  40.0                                 8
+tokens     1.0                                  0
+=========  ===================================  ========
+
+The 1.5 slack and the overhead leave room for punctuation and for models that
+overshoot a little; ``tokens_per_char`` is the tokenizer's ratio for the
+prompt's script. The result is clamped to ``[1, max_tokens]``; without a
+constraint the budget is ``max_tokens``. When a prompt holds several
+constraints the one with the smallest implied budget wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import unicodedata
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = [
+    "Tags",
+    "tag",
+    "BUDGET_RULES",
+    "PRIORITIES",
+    "detect_language",
+    "chinese_numeral_to_int",
+    "english_numeral_to_int",
+    "parse_number",
+    "find_length_constraints",
+    "parse_length_constraint",
+    "implied_budget",
+    "compute_output_budget",
+    "classify_size",
+    "count_lexicon_hits",
+    "strip_role_markers",
+    "count_turns",
+    "extract_system_prompt",
+    "compute_prefix_key",
+    "detect_task",
+    "detect_domain",
+    "detect_audience",
+    "normalize_priority",
+]
+
+
+@dataclass(frozen=True)
+class Tags:
+    input_tokens: int
+    language: str  # "zh" | "en" | "mixed" | "other"
+    length_limit: int  # explicit limit found in the prompt, 0 when none
+    length_unit: str  # "chars" | "words" | "sentences" | "tokens" | "" when none
+    output_budget: int  # max_tokens after applying the length constraint
+    task: str  # "qa" | "summarize" | "translate" | "code" | "creative" | "chat"
+    size_class: str  # "short" | "medium" | "long"
+    domain: str  # "general" | "medical" | "legal" | "finance"
+    audience: str  # "general" | "elderly" | "child" | "expert"
+    priority: str  # "critical" | "standard" | "sheddable"
+    tenant: str
+    turns: int  # conversation turns detected (1 for a single prompt)
+    prefix_key: int  # 64-bit hash of the shared system prompt (0 when none)
+
+
+# --------------------------------------------------------------------------
+# Tables and lexicons
+# --------------------------------------------------------------------------
+
+# unit -> (tokens per unit, overhead); "chars" is further scaled by tokens_per_char.
+BUDGET_RULES: dict[str, tuple[float, int]] = {
+    "chars": (1.5, 8),
+    "words": (2.0, 8),
+    "sentences": (40.0, 8),
+    "tokens": (1.0, 0),
+}
+
+PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
+DEFAULT_PRIORITY = "standard"
+
+# size_class thresholds on output_budget (inclusive upper bounds).
+SHORT_MAX_TOKENS = 64
+MEDIUM_MAX_TOKENS = 512
+
+# Share of (CJK ideographs + Latin letters) one script needs to name the language.
+DOMINANT_SHARE = 0.7
+
+# Task lexicons, checked in this order: the first task with a hit wins, so a
+# "translate this code" request is a translation, not a coding job.
+TRANSLATE_WORDS: tuple[str, ...] = (
+    "翻译", "译成", "译为", "翻成", "英译中", "中译英",
+    "translate", "translated", "translation", "translating",
+)
+SUMMARIZE_WORDS: tuple[str, ...] = (
+    "总结", "概括", "摘要", "归纳", "概述", "提炼", "要点",
+    "summarize", "summarise", "summary", "summaries", "tl;dr", "tldr",
+    "sum up", "recap", "condense", "key points",
+)
+CODE_WORDS: tuple[str, ...] = (
+    "代码", "函数", "编程", "程序", "脚本", "报错", "调试",
+    "python", "javascript", "typescript", "java", "c++", "golang", "sql",
+    "code", "function", "bug", "debug", "compile", "compiler", "regex",
+    "stack trace", "traceback", "algorithm", "script", "```",
+)
+CREATIVE_WORDS: tuple[str, ...] = (
+    "诗", "故事", "小说", "歌词", "剧本", "童话", "散文", "作文", "创作",
+    "poem", "poetry", "story", "stories", "lyrics", "haiku", "limerick",
+    "novel", "fairy tale", "fiction", "screenplay", "song", "creative",
+)
+TASK_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("translate", TRANSLATE_WORDS),
+    ("summarize", SUMMARIZE_WORDS),
+    ("code", CODE_WORDS),
+    ("creative", CREATIVE_WORDS),
+)
+
+# Domain lexicons; the tuple order of DOMAIN_LEXICONS breaks ties.
+MEDICAL_WORDS: tuple[str, ...] = (
+    "血糖", "血糖仪", "血压", "医生", "医院", "药", "症状", "诊断", "糖尿病",
+    "高血压", "胰岛素", "疫苗", "治疗", "处方", "疾病", "患者", "病人", "生病",
+    "diabetes", "blood sugar", "blood pressure", "symptom", "medication",
+    "medicine", "doctor", "glucose", "glucose meter", "insulin", "diagnosis",
+    "disease", "prescription", "hospital", "patient", "treatment", "dosage",
+    "vaccine",
+)
+LEGAL_WORDS: tuple[str, ...] = (
+    "合同", "法律", "律师", "诉讼", "法院", "起诉", "违约", "条款", "判决",
+    "侵权", "法规", "仲裁",
+    "contract", "lawsuit", "legal", "attorney", "lawyer", "court", "sue",
+    "litigation", "clause", "liability", "plaintiff", "defendant", "statute",
+    "copyright", "arbitration",
+)
+FINANCE_WORDS: tuple[str, ...] = (
+    "股票", "投资", "贷款", "利率", "基金", "理财", "税", "债券", "房贷",
+    "汇率", "存款", "股市", "分红",
+    "stock", "invest", "investment", "investing", "loan", "interest rate",
+    "tax", "mortgage", "portfolio", "dividend", "savings", "inflation",
+    "etf", "401k",
+)
+DOMAIN_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("medical", MEDICAL_WORDS),
+    ("legal", LEGAL_WORDS),
+    ("finance", FINANCE_WORDS),
+)
+
+# Audience lexicons; the tuple order of AUDIENCE_LEXICONS breaks ties.
+ELDERLY_WORDS: tuple[str, ...] = (
+    "老人", "老年人", "长辈", "爷爷", "奶奶", "外公", "外婆", "姥姥", "姥爷",
+    "老年", "退休",
+    "elderly", "seniors", "senior citizen", "grandparent", "grandma",
+    "grandpa", "grandmother", "grandfather", "older adult", "older people",
+    "retiree",
+)
+CHILD_WORDS: tuple[str, ...] = (
+    "孩子", "小朋友", "儿童", "小孩", "小学生", "幼儿", "宝宝",
+    "child", "children", "kid", "toddler", "preschooler",
+)
+# Bare "医生"/"doctor" means the medical domain; only "for doctors" names the reader.
+EXPERT_WORDS: tuple[str, ...] = (
+    "专家", "专业人士", "专业", "为医生", "给医生", "面向医生", "供医生",
+    "从业者", "研究人员",
+    "expert", "professional", "for doctors", "for physicians",
+    "for clinicians", "technical audience", "specialist", "researchers",
+)
+AUDIENCE_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("elderly", ELDERLY_WORDS),
+    ("child", CHILD_WORDS),
+    ("expert", EXPERT_WORDS),
+)
+# An age mentioned in the prompt ("5-year-old", "80岁") also names the reader.
+CHILD_MAX_AGE = 12
+ELDERLY_MIN_AGE = 65
+MAX_HUMAN_AGE = 130  # "万岁" (long live!) parses as 10000 and is not an age
+
+# Role markers at the start of a line ("User:", "用户：", full-width colon too).
+USER_ROLES: tuple[str, ...] = ("user", "human", "用户", "人类")
+ASSISTANT_ROLES: tuple[str, ...] = ("assistant", "ai", "bot", "助手", "助理")
+SYSTEM_ROLES: tuple[str, ...] = ("system", "系统")
+
+
+# --------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------
+
+_CN_DIGITS: dict[str, int] = {
+    "零": 0, "〇": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4,
+    "五": 5, "六": 6, "七": 7, "八": 8, "九": 9,
+}
+_CN_SMALL_UNITS: dict[str, int] = {"十": 10, "百": 100, "千": 1000}
+_CN_BIG_UNITS: dict[str, int] = {"万": 10_000, "亿": 100_000_000}
+_CN_NUMERAL_CHARS = "".join(_CN_DIGITS) + "".join(_CN_SMALL_UNITS) + "".join(_CN_BIG_UNITS)
+
+_EN_ONES: dict[str, int] = {
+    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6,
+    "seven": 7, "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12,
+    "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16,
+    "seventeen": 17, "eighteen": 18, "nineteen": 19,
+}
+_EN_TENS: dict[str, int] = {
+    "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
+    "seventy": 70, "eighty": 80, "ninety": 90,
+}
+_EN_SCALES: dict[str, int] = {"hundred": 100, "thousand": 1000}
+# Articles stand for one in "in a sentence", "in a single word".
+_EN_ONE_ARTICLES = frozenset({"a", "an", "single", "a single"})
+
+
+def chinese_numeral_to_int(text: str) -> int:
+    """Convert a Chinese numeral ("二十", "一百零五", "两千") to an int.
+
+    A unit with no digit before it counts one of that unit ("十五" is 15,
+    "百字" is 100). Raises ValueError on anything that is not a numeral.
+    """
+    if not text:
+        raise ValueError("empty Chinese numeral")
+    total = 0  # completed 万/亿 groups
+    section = 0  # value below the current 万/亿 group
+    digit = 0  # pending digit waiting for its unit
+    for ch in text:
+        if ch in _CN_DIGITS:
+            digit = _CN_DIGITS[ch]
+        elif ch in _CN_SMALL_UNITS:
+            section += (digit or 1) * _CN_SMALL_UNITS[ch]
+            digit = 0
+        elif ch in _CN_BIG_UNITS:
+            total += (section + digit or 1) * _CN_BIG_UNITS[ch]
+            section = digit = 0
+        else:
+            raise ValueError(f"not a Chinese numeral: {text!r}")
+    return total + section + digit
+
+
+def english_numeral_to_int(text: str) -> int:
+    """Convert English number words ("twenty-five", "one hundred and fifty") to an int.
+
+    "a", "an", "single" and "a single" count as one. Raises ValueError otherwise.
+    """
+    cleaned = " ".join(text.lower().replace("-", " ").split())
+    if cleaned in _EN_ONE_ARTICLES:
+        return 1
+    if not cleaned:
+        raise ValueError("empty English numeral")
+    total = 0
+    current = 0
+    for word in cleaned.split(" "):
+        if word == "and":
+            continue
+        if word in _EN_ONES:
+            current += _EN_ONES[word]
+        elif word in _EN_TENS:
+            current += _EN_TENS[word]
+        elif word == "hundred":
+            current = (current or 1) * 100
+        elif word == "thousand":
+            total += (current or 1) * 1000
+            current = 0
+        else:
+            raise ValueError(f"not an English numeral: {text!r}")
+    return total + current
+
+
+def parse_number(text: str) -> int:
+    """Parse an Arabic ("1,000"), Chinese ("三十") or English ("thirty") number."""
+    stripped = text.strip()
+    digits = stripped.replace(",", "")
+    if digits.isascii() and digits.isdigit():
+        return int(digits)
+    if stripped and all(ch in _CN_NUMERAL_CHARS for ch in stripped):
+        return chinese_numeral_to_int(stripped)
+    return english_numeral_to_int(stripped)
+
+
+# --------------------------------------------------------------------------
+# Lexicon matching
+# --------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def _lexicon_pattern(lexicon: tuple[str, ...]) -> re.Pattern[str]:
+    """One alternation per lexicon; longest first so "血糖仪" counts once, not as "血糖" too."""
+    parts = []
+    for word in sorted(set(lexicon), key=lambda w: (-len(w), w)):
+        escaped = re.escape(word)
+        if word.isascii():
+            # English words need boundaries ("sue" must not hit "issue"); allow plurals.
+            plural = "(?:s|es)?" if word[-1].isalpha() else ""
+            parts.append(rf"(?<![a-z0-9]){escaped}{plural}(?![a-z0-9])")
+        else:
+            parts.append(escaped)  # Chinese has no word boundaries to check
+    return re.compile("|".join(parts), re.IGNORECASE)
+
+
+def count_lexicon_hits(text: str, lexicon: tuple[str, ...]) -> int:
+    """Number of non-overlapping lexicon hits in text (case-insensitive)."""
+    if not lexicon:
+        return 0
+    return len(_lexicon_pattern(lexicon).findall(text))
+
+
+def _best_by_hits(
+    text: str, lexicons: tuple[tuple[str, tuple[str, ...]], ...], extra: dict[str, int] | None = None
+) -> str:
+    """Label with the most hits; ties go to the earlier lexicon; "" when nothing hits."""
+    best_label, best_hits = "", 0
+    for label, lexicon in lexicons:
+        hits = count_lexicon_hits(text, lexicon) + (extra or {}).get(label, 0)
+        if hits > best_hits:  # strict: an equal count keeps the earlier label
+            best_label, best_hits = label, hits
+    return best_label
+
+
+# --------------------------------------------------------------------------
+# Language
+# --------------------------------------------------------------------------
+
+
+def _is_cjk_ideograph(ch: str) -> bool:
+    cp = ord(ch)
+    return (
+        0x4E00 <= cp <= 0x9FFF  # CJK Unified Ideographs
+        or 0x3400 <= cp <= 0x4DBF  # Extension A
+        or 0xF900 <= cp <= 0xFAFF  # Compatibility Ideographs
+        or 0x20000 <= cp <= 0x3134F  # Extensions B-G
+    )
+
+
+def _is_latin_letter(ch: str) -> bool:
+    # ASCII plus Latin-1 / Latin Extended-A/B letters (é, ß, ł ...).
+    return ch.isalpha() and (ch.isascii() or 0x00C0 <= ord(ch) <= 0x024F)
+
+
+def detect_language(text: str) -> str:
+    """"zh", "en", "mixed" or "other" from the share of CJK ideographs vs Latin letters.
+
+    Digits, punctuation and other scripts (kana, Hangul, Cyrillic) are ignored.
+    """
+    normalized = unicodedata.normalize("NFKC", text)  # full-width ＡＢＣ count as Latin
+    cjk = sum(1 for ch in normalized if _is_cjk_ideograph(ch))
+    latin = sum(1 for ch in normalized if _is_latin_letter(ch))
+    total = cjk + latin
+    if total == 0:
+        return "other"
+    if cjk / total >= DOMINANT_SHARE:
+        return "zh"
+    if latin / total >= DOMINANT_SHARE:
+        return "en"
+    return "mixed"
+
+
+# --------------------------------------------------------------------------
+# Length constraints and budget
+# --------------------------------------------------------------------------
+
+_UNIT_ALIASES: dict[str, str] = {
+    "字": "chars", "字符": "chars", "character": "chars", "char": "chars", "letter": "chars",
+    "词": "words", "单词": "words", "word": "words",
+    "句": "sentences", "句话": "sentences", "句子": "sentences", "sentence": "sentences",
+    "token": "tokens",
+}
+
+_CN_NUM = rf"([0-9]+|[{_CN_NUMERAL_CHARS}]+)"
+_CN_UNIT = r"(?:个)?(字符|字|单词|词|句话|句子|句|tokens?)"
+# "少于" etc. must not follow 不: "不少于50字" means at least 50.
+_CN_PREFIX = (
+    r"(?:不超过|不超出|不多于|不大于|不得超过|不能超过|不要超过|别超过|"
+    r"(?<!不)少于|(?<!不)低于|(?<!不)小于|最多|至多|"
+    r"控制在|限制在|限定在|限于|限在|限)"
+)
+_EN_NUMBER_WORDS = "|".join(
+    sorted([*_EN_ONES, *_EN_TENS, *_EN_SCALES], key=len, reverse=True)
+)
+_EN_WORD = rf"\b(?:{_EN_NUMBER_WORDS})\b"
+_EN_NUM = rf"(\d{{1,3}}(?:,\d{{3}})+|\d+|{_EN_WORD}(?:[\s-]+(?:and[\s-]+)?{_EN_WORD})*)"
+_EN_UNIT = r"(words?|characters?|chars?|letters?|sentences?|tokens?)\b"
+_EN_PREFIX = (
+    r"(?:under|below|fewer\s+than|less\s+than|no\s+more\s+than|not\s+more\s+than|"
+    r"no\s+longer\s+than|not\s+exceeding|not\s+to\s+exceed|at\s+most|within|up\s+to|"
+    r"max(?:imum)?\.?(?:\s+of)?|limit(?:ed)?\s+(?:to|of)|capped\s+at)"
+)
+
+# Each pattern has exactly two groups: (number, unit).
+_CONSTRAINT_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        # 不超过50字 / 最多50个字 / 控制在50字 / 不超过三句话 / 不超过200个词
+        rf"{_CN_PREFIX}\s*(?:用)?\s*{_CN_NUM}\s*{_CN_UNIT}",
+        # 50字以内 / 50字之内 / 3句话以内 / 100字以下
+        rf"{_CN_NUM}\s*{_CN_UNIT}\s*(?:以内|之内|以下|内(?!容))",
+        # 用一句话概括 / 用100字介绍
+        rf"用\s*{_CN_NUM}\s*{_CN_UNIT}",
+        # at most 50 words / in under 50 words / within 100 characters / max 20 tokens
+        rf"\b{_EN_PREFIX}\s+{_EN_NUM}\s+{_EN_UNIT}",
+        # in one sentence / in a single word / in 3 sentences
+        rf"\bin\s+(a\s+single|an?|single|{_EN_NUM[1:-1]})\s+{_EN_UNIT}",
+        # 50 words or less / 20 tokens max
+        rf"{_EN_NUM}\s+{_EN_UNIT}\s+(?:or\s+(?:less|fewer|under)|max(?:imum)?|at\s+most|tops)\b",
+        # a 50-word summary / a one-sentence answer
+        rf"{_EN_NUM}-(word|character|char|sentence|token)\b",
+    )
+)
+# 字数不超过50 / 字数在50以内: the unit comes before the number.
+_CN_CHAR_COUNT_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(rf"字数\s*{_CN_PREFIX}\s*{_CN_NUM}"),
+    re.compile(rf"字数\s*在\s*{_CN_NUM}\s*(?:个?字)?\s*(?:以内|之内|以下)"),
+)
+
+
+def _normalize_unit(raw: str) -> str:
+    unit = raw.lower()
+    if unit in _UNIT_ALIASES:
+        return _UNIT_ALIASES[unit]
+    return _UNIT_ALIASES[unit.removesuffix("s")]  # English plurals
+
+
+def find_length_constraints(prompt: str) -> list[tuple[int, str]]:
+    """Every explicit length constraint in the prompt as (limit, unit), in text order.
+
+    Limits of zero are dropped: they carry no usable budget.
+    """
+    text = unicodedata.normalize("NFKC", prompt)  # ５０字 -> 50字
+    found: list[tuple[int, int, str]] = []  # (position, limit, unit)
+    for pattern in _CONSTRAINT_PATTERNS:
+        for m in pattern.finditer(text):
+            found.append((m.start(), parse_number(m.group(1)), _normalize_unit(m.group(2))))
+    for pattern in _CN_CHAR_COUNT_PATTERNS:
+        for m in pattern.finditer(text):
+            found.append((m.start(), parse_number(m.group(1)), "chars"))
+    found.sort(key=lambda item: item[0])
+    result: list[tuple[int, str]] = []
+    for _, limit, unit in found:
+        if limit > 0 and (limit, unit) not in result:
+            result.append((limit, unit))
+    return result
+
+
+def implied_budget(limit: int, unit: str, tokens_per_char: float = 1.0) -> int:
+    """Tokens a (limit, unit) constraint needs, per BUDGET_RULES; at least 1, not clamped above."""
+    per_unit, overhead = BUDGET_RULES[unit]
+    if unit == "chars":
+        per_unit *= tokens_per_char
+    # round() first so float noise (52.50000000001) does not add a whole token.
+    return max(1, math.ceil(round(limit * per_unit + overhead, 6)))
+
+
+def parse_length_constraint(prompt: str, tokens_per_char: float = 1.0) -> tuple[int, str]:
+    """The tightest constraint (smallest implied budget; earliest on ties), or (0, "")."""
+    constraints = find_length_constraints(prompt)
+    if not constraints:
+        return 0, ""
+    return min(constraints, key=lambda c: implied_budget(c[0], c[1], tokens_per_char))
+
+
+def compute_output_budget(max_tokens: int, limit: int, unit: str, tokens_per_char: float = 1.0) -> int:
+    """max_tokens capped by the constraint; max_tokens itself when there is none."""
+    if limit <= 0 or not unit:
+        return max_tokens
+    return min(max_tokens, implied_budget(limit, unit, tokens_per_char))
+
+
+def classify_size(output_budget: int) -> str:
+    if output_budget <= SHORT_MAX_TOKENS:
+        return "short"
+    if output_budget <= MEDIUM_MAX_TOKENS:
+        return "medium"
+    return "long"
+
+
+# --------------------------------------------------------------------------
+# Conversation structure: turns and shared system prompt
+# --------------------------------------------------------------------------
+
+
+def _role_line_pattern(roles: tuple[str, ...]) -> re.Pattern[str]:
+    alternation = "|".join(re.escape(r) for r in roles)
+    # (?![a-z]) keeps "AIM:" or "Users:" from counting as a role marker.
+    return re.compile(rf"^[ \t]*(?:{alternation})(?![a-z])[ \t]*[:：]", re.IGNORECASE | re.MULTILINE)
+
+
+_USER_LINE = _role_line_pattern(USER_ROLES)
+_ASSISTANT_LINE = _role_line_pattern(ASSISTANT_ROLES)
+_SYSTEM_LINE = _role_line_pattern(SYSTEM_ROLES)
+_ANY_ROLE_LINE = _role_line_pattern(USER_ROLES + ASSISTANT_ROLES + SYSTEM_ROLES)
+# Llama-2 chat template: each [INST] opens a user turn.
+_INST_TAG = re.compile(r"\[INST\]")
+_SYS_BLOCK = re.compile(r"^\s*(?:<s>\s*)?(?:\[INST\]\s*)?<<SYS>>(.*?)<</SYS>>", re.DOTALL)
+_TEMPLATE_TOKENS = re.compile(r"<</?SYS>>|\[/?INST\]|</?s>")
+
+
+def strip_role_markers(prompt: str) -> str:
+    """The prompt without role markers and chat-template tags.
+
+    Used before content detection so "User:"/"Assistant:" in a Chinese chat do
+    not count as English letters.
+    """
+    return _TEMPLATE_TOKENS.sub(" ", _ANY_ROLE_LINE.sub("", prompt))
+
+
+def count_turns(prompt: str) -> int:
+    """Number of user turns (user-role lines or [INST] tags), at least 1."""
+    return max(1, len(_USER_LINE.findall(prompt)), len(_INST_TAG.findall(prompt)))
+
+
+def _strip_system_marker(text: str) -> str:
+    m = _SYSTEM_LINE.match(text)
+    return (text[m.end():] if m else text).strip()
+
+
+def extract_system_prompt(prompt: str) -> str:
+    """The shared system prompt at the start of the prompt, "" when there is none.
+
+    Recognised forms, in order:
+    1. a leading ``<<SYS>> ... <</SYS>>`` block (optionally after ``<s>[INST]``);
+    2. when user-role lines exist: everything before the first one, unless that
+       preamble opens with an assistant line (then it is dialogue, not a system prompt);
+    3. otherwise a first paragraph that starts with "System:" / "系统：".
+    A leading "System:" marker is not part of the returned text.
+    """
+    block = _SYS_BLOCK.match(prompt)
+    if block:
+        return block.group(1).strip()
+
+    first_user = _USER_LINE.search(prompt)
+    if first_user:
+        preamble = prompt[: first_user.start()].strip()
+        if not preamble or _ASSISTANT_LINE.match(preamble):
+            return ""
+        return _strip_system_marker(preamble)
+
+    stripped = prompt.lstrip()
+    if _SYSTEM_LINE.match(stripped):
+        paragraph = re.split(r"\n[ \t]*\n", stripped, maxsplit=1)[0]
+        return _strip_system_marker(paragraph)
+    return ""
+
+
+def compute_prefix_key(system_text: str) -> int:
+    """64-bit key for the prefix cache: blake2b-64 of the system prompt, 0 when empty."""
+    if not system_text:
+        return 0
+    digest = hashlib.blake2b(system_text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+# --------------------------------------------------------------------------
+# Task, domain, audience, priority
+# --------------------------------------------------------------------------
+
+
+def detect_task(text: str, turns: int = 1) -> str:
+    """Multi-turn prompts are "chat"; else the first task lexicon that hits; default "qa"."""
+    if turns > 1:
+        return "chat"
+    for task, lexicon in TASK_LEXICONS:
+        if count_lexicon_hits(text, lexicon):
+            return task
+    return "qa"
+
+
+def detect_domain(text: str) -> str:
+    """Domain with the most lexicon hits (ties: medical, legal, finance); default "general"."""
+    return _best_by_hits(text, DOMAIN_LEXICONS) or "general"
+
+
+_EN_AGE = re.compile(rf"{_EN_NUM}[\s-]+years?[\s-]+old\b", re.IGNORECASE)
+_CN_AGE = re.compile(rf"{_CN_NUM}\s*岁")
+
+
+def _age_hits(text: str) -> dict[str, int]:
+    """Count ages that name a child (<= 12) or an elderly reader (>= 65)."""
+    hits = {"child": 0, "elderly": 0}
+    for pattern in (_EN_AGE, _CN_AGE):
+        for m in pattern.finditer(text):
+            try:
+                age = parse_number(m.group(1))
+            except ValueError:
+                continue
+            if age <= CHILD_MAX_AGE:
+                hits["child"] += 1
+            elif ELDERLY_MIN_AGE <= age <= MAX_HUMAN_AGE:
+                hits["elderly"] += 1
+    return hits
+
+
+def detect_audience(text: str) -> str:
+    """Audience with the most hits (ties: elderly, child, expert); default "general"."""
+    return _best_by_hits(text, AUDIENCE_LEXICONS, extra=_age_hits(text)) or "general"
+
+
+def normalize_priority(priority: str) -> str:
+    """Validate the caller's priority; "" means "standard"."""
+    value = priority.strip().lower()
+    if not value:
+        return DEFAULT_PRIORITY
+    if value not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
+    return value
+
+
+# --------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------
+
+
+def tag(
+    prompt: str,
+    input_tokens: int,
+    max_tokens: int,
+    *,
+    tenant: str = "",
+    priority: str = "",
+    tokens_per_char: float = 1.0,
+) -> Tags:
+    """Tag one request. Raises ValueError on a bad priority or nonsensical sizes."""
+    if input_tokens < 0:
+        raise ValueError(f"input_tokens must be >= 0; got {input_tokens}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1; got {max_tokens}")
+    if not tokens_per_char > 0:
+        raise ValueError(f"tokens_per_char must be > 0; got {tokens_per_char}")
+    checked_priority = normalize_priority(priority)
+
+    content = strip_role_markers(prompt)
+    turns = count_turns(prompt)
+    limit, unit = parse_length_constraint(content, tokens_per_char)
+    budget = compute_output_budget(max_tokens, limit, unit, tokens_per_char)
+    return Tags(
+        input_tokens=input_tokens,
+        language=detect_language(content),
+        length_limit=limit,
+        length_unit=unit,
+        output_budget=budget,
+        task=detect_task(content, turns),
+        size_class=classify_size(budget),
+        domain=detect_domain(content),
+        audience=detect_audience(content),
+        priority=checked_priority,
+        tenant=tenant,
+        turns=turns,
+        prefix_key=compute_prefix_key(extract_system_prompt(prompt)),
+    )

@@ -1,0 +1,1 @@
+"""Engine pieces shared by the service and the reference: sampling, sequences, detokenization."""

@@ -1,0 +1,167 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) as a slice of layers.
+
+A ModelSlice holds layers [layer_start, layer_end) plus, on the first stage, the embedding and, on the
+last, the final norm and LM head. One forward call runs a micro-batch of slots: the linear layers see all
+rows at once, attention runs per slot over that slot's own KV cache only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tether.kv.cache import KVCache
+from tether.model.config import ModelConfig
+
+
+@dataclass
+class SlotRows:
+    """Which rows of a micro-batch belong to one request, and where they sit in its context."""
+
+    kv: KVCache
+    start: int      # position of the slot's first row
+    length: int     # number of rows
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary:
+    """RoPE tables in float32, computed the way Hugging Face Llama computes them."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: list[SlotRows], layer: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = torch.empty_like(q)
+        row = 0
+        for s in slots:  # each request attends to its own keys only
+            rows = slice(row, row + s.length)
+            keys, values = s.kv.write(layer, s.start, k[:, rows], v[:, rows])
+            mask = None
+            if s.length > 1:
+                total = s.start + s.length
+                mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
+            out[:, rows] = F.scaled_dot_product_attention(
+                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
+            row += s.length
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, slots, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ModelSlice(nn.Module):
+    """Layers [layer_start, layer_end) of the model; the embedding if layer_start == 0; the head if last.
+
+    Parameter names follow Hugging Face (`embed_tokens`, `layers.i`, `norm`, `lm_head`) minus the `model.`
+    prefix, with layer indices local to the slice.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's "
+                             f"{cfg.num_hidden_layers} layers")
+        self.cfg = cfg
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.has_embedding = layer_start == 0
+        self.has_head = layer_end == cfg.num_hidden_layers
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.has_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layer_end - layer_start))
+        if self.has_head:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.to(dtype)
+        self.requires_grad_(False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def new_kv(self, pool=None, owner: str = "") -> KVCache:
+        return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool, owner)
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
+        """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
+
+        Each slot's KV must already have room (`kv.ensure`); on success the caller advances `kv.length`.
+        """
+        x = self.embed_tokens(inputs) if self.has_embedding else inputs.to(self.dtype)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # broadcast over heads
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, slots, i)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over some rows (the last stage only); float32 logits."""
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,1 @@
+"""The tethered protocol: context hash chain, stamp checks and the activation tensor codec."""

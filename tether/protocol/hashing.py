@@ -1,0 +1,72 @@
+"""The context hash chain (DESIGN.md "Context hash").
+
+xxh3-64 over the little-endian uint32 token ids of the whole context, seeded from the model fingerprint and
+the request's cache namespace. Streaming makes it independent of chunking, so each party extends a running
+hasher by the new tokens only.
+"""
+
+from __future__ import annotations
+
+from array import array
+import sys
+
+import xxhash
+
+_LITTLE = sys.byteorder == "little"
+
+
+def token_bytes(token_ids) -> bytes:
+    a = array("I", token_ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def hash_seed(model_fingerprint: str, namespace: str = "") -> int:
+    """The salt of a request's chain: differs per model and per tenant namespace."""
+    return xxhash.xxh3_64_intdigest(f"tether/v1|{model_fingerprint}|{namespace}".encode())
+
+
+def context_hash(seed: int, token_ids) -> int:
+    return xxhash.xxh3_64_intdigest(token_bytes(token_ids), seed=seed)
+
+
+class ContextHasher:
+    """A running context hash; `peek` gives the hash after some tokens without committing them."""
+
+    __slots__ = ("seed", "_h", "length")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._h = xxhash.xxh3_64(seed=seed)
+        self.length = 0
+
+    @property
+    def value(self) -> int:
+        return self._h.intdigest()
+
+    def peek(self, token_ids) -> int:
+        h = self._h.copy()
+        h.update(token_bytes(token_ids))
+        return h.intdigest()
+
+    def extend(self, token_ids) -> int:
+        self._h.update(token_bytes(token_ids))
+        self.length += len(token_ids)
+        return self._h.intdigest()
+
+    def copy(self) -> "ContextHasher":
+        c = ContextHasher.__new__(ContextHasher)
+        c.seed, c._h, c.length = self.seed, self._h.copy(), self.length
+        return c
+
+
+def prompt_digest(prompt: bytes) -> int:
+    """Receipt digest of the prompt bytes as admission received them."""
+    return xxhash.xxh3_64_intdigest(prompt)
+
+
+def payload_digest(data: bytes, slot_context_hashes) -> int:
+    """Bind a frame's tensor bytes to the slots that claim them: seed from all slot context hashes, in order."""
+    seed = xxhash.xxh3_64_intdigest(array("Q", slot_context_hashes).tobytes())
+    return xxhash.xxh3_64_intdigest(data, seed=seed)

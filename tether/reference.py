@@ -1,0 +1,126 @@
+"""Single-process, single-request generation: the answer the service owes for each request.
+
+`generate` runs the whole model in this process with the same sampler and stop rules as the service.
+`audit` replays a served completion teacher-forced and classifies every token (exact, within margin, mismatch).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tether.engine import sampler
+from tether.engine.sequence import Sequence
+from tether.model.config import ModelConfig
+from tether.model.llama import ModelSlice, SlotRows
+from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
+from tether.model.tokenizer import Tokenizer
+from tether.protocol.hashing import hash_seed, prompt_digest
+from tether.types import FINISH_REASONS, GenerateResult, Receipt
+from tether.v1 import common_pb2
+
+
+@dataclass
+class LoadedModel:
+    folder: Path
+    model: ModelSlice
+    tokenizer: Tokenizer
+    fingerprint: str
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+
+@functools.lru_cache(maxsize=4)
+def load(model: str = "tiny", dtype: str = "float32") -> LoadedModel:
+    folder = resolve_model(model)
+    return LoadedModel(folder, load_slice(folder, dtype=dtype), load_model_tokenizer(folder), model_fingerprint(folder))
+
+
+def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                    seed: int = 0, stop=(), ignore_eos: bool = False) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+
+
+def _step(m: ModelSlice, kv, ids: list[int]) -> torch.Tensor:
+    """Feed tokens to the request's KV and return the logits after the last one."""
+    kv.ensure(kv.length + len(ids))
+    h = m(torch.tensor(ids, dtype=torch.long), [SlotRows(kv, kv.length, len(ids))])
+    kv.length += len(ids)
+    return m.logits(h[-1:])[0]
+
+
+def generate_ids(lm: LoadedModel, prompt_ids: list[int], params: common_pb2.SamplingParams,
+                 namespace: str = "", request_id: str = "") -> Sequence:
+    """Prefill the prompt, then decode one token at a time, exactly as the pipeline does for one request."""
+    seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, lm.tokenizer,
+                   hash_seed(lm.fingerprint, namespace), lm.config.max_position_embeddings)
+    kv = lm.model.new_kv()
+    logits = _step(lm.model, kv, seq.prompt_ids)
+    while True:
+        tok = sampler.sample(logits, params, len(seq.all_ids))
+        if seq.append(tok).finish_reason:
+            return seq
+        logits = _step(lm.model, kv, [tok])
+
+
+def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 0.0, seed: int = 0, stop=(), ignore_eos: bool = False,
+             namespace: str = "") -> GenerateResult:
+    """The reference answer for one request, as a GenerateResult (the SDK's type)."""
+    lm = load(model)
+    params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+    prompt_ids = lm.tokenizer.encode(prompt)
+    seq = generate_ids(lm, prompt_ids, params, namespace)
+    receipt = Receipt(seq.request_id, prompt_digest(prompt.encode()), len(prompt_ids), seq.hasher.value,
+                      len(seq.output_ids), lm.fingerprint)
+    return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt)
+
+
+# --- teacher-forced audit -------------------------------------------------------------------------------
+
+EXACT, WITHIN_MARGIN, MISMATCH = "exact", "within_margin", "mismatch"
+DEFAULT_LOGIT_MARGIN = 1e-3   # greedy: served token's logit may trail the max by this much (float noise)
+DEFAULT_DRAW_MARGIN = 1e-5    # sampled: the draw may miss the served token's CDF interval by this much
+
+
+@dataclass
+class AuditResult:
+    verdict: str                    # worst verdict over the tokens
+    first_bad_index: int = -1       # first output index that was not exact
+    worst_gap: float = 0.0          # largest logit gap (greedy) or draw distance (sampled) seen
+
+
+def audit(lm: LoadedModel, prompt_ids: list[int], output_ids: list[int], params: common_pb2.SamplingParams,
+          logit_margin: float = DEFAULT_LOGIT_MARGIN, draw_margin: float = DEFAULT_DRAW_MARGIN) -> AuditResult:
+    """Teacher-force the served tokens: was each one the reference's choice given the served prefix?"""
+    result = AuditResult(EXACT)
+    kv = lm.model.new_kv()
+    logits = _step(lm.model, kv, list(prompt_ids))
+    for i, tok in enumerate(output_ids):
+        position = len(prompt_ids) + i
+        if not 0 <= tok < logits.numel():
+            return AuditResult(MISMATCH, i, float("inf"))
+        if sampler.sample(logits, params, position) != tok:
+            if params.temperature <= 0:
+                gap = float(logits.max() - logits[tok])
+                ok = gap <= logit_margin
+            else:
+                gap = sampler.draw_distance(logits, params, tok, position)
+                ok = gap <= draw_margin
+            result.worst_gap = max(result.worst_gap, gap)
+            if result.first_bad_index < 0:
+                result.first_bad_index = i
+            if not ok:
+                result.verdict = MISMATCH
+                return result
+            result.verdict = WITHIN_MARGIN
+        if i + 1 < len(output_ids):
+            logits = _step(lm.model, kv, [tok])
+    return result

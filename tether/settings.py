@@ -1,0 +1,40 @@
+"""Every tunable default of tether lives here, so there is one obvious place to look.
+
+Services expose these as command-line flags; the flags' defaults come from this module.
+"""
+
+PROTOCOL_VERSION = 1
+
+# Ports of the local cluster (`tether up`); stage i listens on STAGE_BASE_PORT + i.
+ADMISSION_PORT = 50051
+COORDINATOR_PORT = 50061
+STAGE_BASE_PORT = 50071
+METRICS_PORT_OFFSET = 1000  # a service's Prometheus port = its gRPC port + this (0 disables)
+
+DEFAULT_MODEL = "tiny"
+
+# Admission limits.
+MAX_PROMPT_BYTES = 64 * 1024
+MAX_PROMPT_TOKENS = 4096
+MAX_OUTPUT_TOKENS = 2048
+DEFAULT_MAX_TOKENS = 64
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_BYTES = 128
+MAX_CONCURRENT_REQUESTS = 256  # admission's global cap; beyond it: RESOURCE_EXHAUSTED
+
+# Coordinator batching.
+MAX_BATCH_SLOTS = 32        # requests per micro-batch
+MAX_BATCH_TOKENS = 2048     # rows per micro-batch (prefill tokens count one row each)
+FRAME_TIMEOUT_S = 30.0      # a micro-batch not answered within this fails the pipeline, never hangs
+RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
+
+# Stage workers.
+KV_CAPACITY_TOKENS = 262_144   # per stage, over all requests
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
+
+# gRPC message size for all channels/servers (activation frames can be large).
+GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024
+
+# Where generated preset models live (override with TETHER_HOME).
+TETHER_HOME_ENV = "TETHER_HOME"

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for protos/tether/v1 (built by `make proto`, not committed)."""
