@@ -21,6 +21,11 @@ DEFAULT_MAX_TOKENS = 64
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_BYTES = 128
 MAX_CONCURRENT_REQUESTS = 256  # admission's global cap; beyond it: RESOURCE_EXHAUSTED
+MAX_TEMPERATURE = 2.0
+MAX_TENANT_CHARS = 64          # tenant names are cache namespaces and metric labels: keep them short
+MAX_REQUEST_ID_CHARS = 128
+OVERLOAD_RETRY_AFTER_S = 1.0   # RetryInfo delay admission suggests when it refuses for overload
+READINESS_POLL_S = 1.0         # how often admission asks its coordinator whether it is serving
 
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch

@@ -77,3 +77,33 @@ class ModelConfig:
                            "MistralForCausalLM": "mistral"}[arch]
         d["hidden_act"] = "silu"
         return d
+
+
+def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layer ranges of `stages` contiguous slices as equal as possible (earlier stages take the remainder)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
+    """'START:END' (END exclusive; either side may be empty) or 'I/N' (slice I of an even split into N)."""
+    try:
+        if "/" in spec:
+            i, n = (int(x) for x in spec.split("/"))
+            if not 0 <= i < n:
+                raise ValueError
+            return even_split(num_layers, n)[i]
+        a, b = spec.split(":")
+        start, end = int(a or 0), int(b or num_layers)
+    except ValueError:
+        raise ValueError(f"--layers must be START:END or I/N, got {spec!r}") from None
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"--layers {spec}: the model has layers 0..{num_layers}")
+    return start, end

@@ -1,0 +1,140 @@
+"""Validate and normalize a GenerateRequest before it costs anything downstream.
+
+Pure: no gRPC, no I/O. Every refusal is a `ValidationError` whose message names the field and the allowed
+range, because it goes to the caller verbatim as an INVALID_ARGUMENT status.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.admission.tagger import normalize_priority
+from tether import settings
+from tether.v1 import admission_pb2, common_pb2
+
+_TENANT = re.compile(r"[A-Za-z0-9_.-]*")
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+
+
+class ValidationError(ValueError):
+    """A request the caller must fix; the message says what and how."""
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    tokenizer: Encoder
+    max_context: int   # max_position_embeddings: prompt + output must fit
+    vocab_size: int    # upper bound of top_k
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    prompt: str                              # the decoded prompt (raw bytes stay in the request for the receipt)
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and seed filled in
+    tenant: str
+    priority: str                            # critical | standard | sheddable
+    request_id: str                          # the caller's, or a fresh one
+    seed_assigned: bool                      # True when admission drew the seed (report it to the caller)
+
+
+def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
+    """Check every field of `request` against the settings and `model`; raise ValidationError on the first bad one."""
+    prompt = _decode_prompt(request.prompt)
+    tenant = _check_tenant(request.tenant)
+    priority = _check_priority(request.priority)
+    request_id = _check_request_id(request.request_id)
+    sampling, seed_assigned = _normalize_sampling(request.sampling, model.vocab_size)
+    token_ids = model.tokenizer.encode(prompt)
+    _check_lengths(len(token_ids), sampling.max_tokens, model.max_context)
+    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id, seed_assigned)
+
+
+def _decode_prompt(raw: bytes) -> str:
+    # Size first: no point decoding 10 MB to refuse it afterwards.
+    if len(raw) > settings.MAX_PROMPT_BYTES:
+        raise ValidationError(f"prompt is {len(raw)} bytes; at most {settings.MAX_PROMPT_BYTES} bytes are allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValidationError(f"prompt is not valid UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    if not text.strip():
+        raise ValidationError("prompt is empty; send at least one non-whitespace character")
+    return text
+
+
+def _check_tenant(tenant: str) -> str:
+    if len(tenant) > settings.MAX_TENANT_CHARS or not _TENANT.fullmatch(tenant):
+        raise ValidationError(f"tenant must be at most {settings.MAX_TENANT_CHARS} characters of "
+                              f"[A-Za-z0-9_.-]; got {tenant[:80]!r}")
+    return tenant
+
+
+def _check_priority(priority: str) -> str:
+    try:
+        return normalize_priority(priority)
+    except ValueError as e:
+        raise ValidationError(str(e)) from None
+
+
+def _check_request_id(request_id: str) -> str:
+    if len(request_id) > settings.MAX_REQUEST_ID_CHARS or not _PRINTABLE_ASCII.fullmatch(request_id):
+        raise ValidationError(f"request_id must be at most {settings.MAX_REQUEST_ID_CHARS} printable ASCII "
+                              f"characters; got {request_id[:160]!r}")
+    return request_id or uuid.uuid4().hex
+
+
+def _normalize_sampling(given: common_pb2.SamplingParams, vocab_size: int) -> tuple[common_pb2.SamplingParams, bool]:
+    s = common_pb2.SamplingParams()
+    s.CopyFrom(given)
+    if s.max_tokens == 0:
+        s.max_tokens = settings.DEFAULT_MAX_TOKENS
+    elif s.max_tokens > settings.MAX_OUTPUT_TOKENS:
+        raise ValidationError(f"max_tokens must be between 1 and {settings.MAX_OUTPUT_TOKENS} "
+                              f"(0 means {settings.DEFAULT_MAX_TOKENS}); got {s.max_tokens}")
+    # `not (lo <= x <= hi)` also rejects NaN, which compares false with everything.
+    if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= settings.MAX_TEMPERATURE):
+        raise ValidationError(f"temperature must be a finite number between 0 and {settings.MAX_TEMPERATURE:g} "
+                              f"(0 = greedy); got {s.temperature:g}")
+    if not 0.0 <= s.top_p <= 1.0:
+        raise ValidationError(f"top_p must be between 0 and 1 (0 or 1 = off); got {s.top_p:g}")
+    if s.top_k > vocab_size:
+        raise ValidationError(f"top_k must be between 0 and the vocabulary size {vocab_size} (0 = off); got {s.top_k}")
+    _check_stop(list(s.stop))
+    seed_assigned = s.temperature > 0 and s.seed == 0
+    if seed_assigned:
+        # Drawn here, once, so that replays inside the pipeline and a retry by the caller sample the same tokens.
+        s.seed = secrets.randbits(63) or 1
+    return s, seed_assigned
+
+
+def _check_stop(stop: list[str]) -> None:
+    if len(stop) > settings.MAX_STOP_SEQUENCES:
+        raise ValidationError(f"stop may hold at most {settings.MAX_STOP_SEQUENCES} sequences; got {len(stop)}")
+    for i, seq in enumerate(stop):
+        size = len(seq.encode("utf-8"))
+        if not 1 <= size <= settings.MAX_STOP_BYTES:
+            raise ValidationError(f"stop[{i}] must be 1 to {settings.MAX_STOP_BYTES} bytes of UTF-8; got {size} bytes")
+
+
+def _check_lengths(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    if prompt_tokens == 0:
+        raise ValidationError("prompt tokenizes to no tokens; send some text")
+    if prompt_tokens > settings.MAX_PROMPT_TOKENS:
+        raise ValidationError(f"prompt is {prompt_tokens} tokens; at most {settings.MAX_PROMPT_TOKENS} tokens are allowed")
+    if prompt_tokens + max_tokens > max_context:
+        room = max_context - prompt_tokens
+        hint = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
+        raise ValidationError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                              f"context of {max_context} tokens; {hint}")

@@ -1,0 +1,84 @@
+"""`tether coordinator`: own one pipeline of stage workers, batch continuously, stream tokens back."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.coordinator.engine import Engine
+from services.coordinator.pipeline import Pipeline
+from services.coordinator.server import CoordinatorServicer
+from tether import grpcutil, settings
+from tether.model.config import ModelConfig
+from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
+from tether.protocol.hashing import hash_seed
+from tether.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger("coordinator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tether coordinator",
+        description="Coordinator: handshakes its route of stage workers, batches requests continuously, keeps "
+                    "one micro-batch in flight per stage, and appends a token only when its echoed stamp matches.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=settings.COORDINATOR_PORT, help="gRPC port (default: %(default)s)")
+    p.add_argument("--model", default=settings.DEFAULT_MODEL,
+                   help="preset (tiny, small, base) or a Hugging Face folder: must be what the stages loaded "
+                        "(default: %(default)s)")
+    p.add_argument("--stages", required=True,
+                   help="the route: comma-separated HOST:PORT of the stage workers, first layers first")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype the stages must run (default: %(default)s)")
+    p.add_argument("--max-batch-slots", type=int, default=settings.MAX_BATCH_SLOTS,
+                   help="requests per micro-batch (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=settings.MAX_BATCH_TOKENS,
+                   help="rows per micro-batch; a longer prompt still goes alone (default: %(default)s)")
+    p.add_argument("--frame-timeout", type=float, default=settings.FRAME_TIMEOUT_S,
+                   help="seconds before an unanswered micro-batch fails the pipeline (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    folder = resolve_model(args.model)
+    cfg = ModelConfig.from_folder(folder)
+    fingerprint = model_fingerprint(folder)
+    addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
+    pipeline = Pipeline(addresses, fingerprint, args.dtype)
+    engine = Engine(pipeline, lambda tenant: hash_seed(fingerprint, tenant), args.max_batch_slots,
+                    args.max_batch_tokens, args.frame_timeout)
+    server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+        CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint), server.server)
+    await server.start()
+    await server.set_serving(False)
+    loop_task = asyncio.create_task(engine.run())
+    health_task = asyncio.create_task(_mirror_health(engine, server))
+    print(f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})", flush=True)
+    try:
+        await server.wait_for_signal()
+    finally:
+        loop_task.cancel()
+        health_task.cancel()
+        await pipeline.close()
+
+
+async def _mirror_health(engine: Engine, server: grpcutil.Server) -> None:
+    """Health says SERVING only while the pipeline is assembled and carrying frames."""
+    last = None
+    while True:
+        if engine.serving != last:
+            last = engine.serving
+            await server.set_serving(last)
+        await asyncio.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    grpcutil.configure_logging("coordinator", args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise SystemExit(f"tether coordinator: {e}")

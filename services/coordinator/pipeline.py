@@ -1,0 +1,91 @@
+"""The coordinator's connection to its route of stage workers: handshake, the Forward stream, Release."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+import grpc
+
+from tether import grpcutil, settings
+from tether.protocol.hashing import payload_digest
+from tether.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PipelineDown(Exception):
+    """The pipeline cannot carry frames: refused handshake, unreachable stage, broken stream."""
+
+
+class Pipeline:
+    def __init__(self, addresses: list[str], fingerprint: str, dtype: str) -> None:
+        if not addresses:
+            raise ValueError("a pipeline needs at least one stage address")
+        self.addresses = addresses
+        self.fingerprint = fingerprint
+        self.dtype = dtype
+        self.channels = {a: grpcutil.channel(a) for a in addresses}
+        self.epoch = 0
+        self.stages: list[stage_pb2.StageInfo] = []
+        self.call = None
+        self.seq = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.addresses)
+
+    async def connect(self) -> None:
+        """Handshake down the chain under a fresh pipeline epoch, then open the Forward stream."""
+        epoch = secrets.randbits(63) or 1
+        req = stage_pb2.HandshakeRequest(
+            protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=self.fingerprint,
+            route=[stage_pb2.RouteEntry(address=a) for a in self.addresses], index=0, prev_layer_end=0,
+            pipeline_epoch=epoch, dtype=self.dtype)
+        stub = stage_pb2_grpc.StageStub(self.channels[self.addresses[0]])
+        try:
+            reply = await stub.Handshake(req, timeout=15)
+        except grpc.aio.AioRpcError as e:
+            raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
+        if not reply.ok:
+            raise PipelineDown(f"pipeline refused: {reply.error}")
+        self.epoch, self.stages, self.seq = epoch, list(reply.stages), 0
+        self.call = stub.Forward()
+
+    async def send(self, slots: list[stage_pb2.Slot]) -> int:
+        self.seq += 1
+        frame = stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
+                                payload_digest=payload_digest(b"", [s.stamp.context_hash for s in slots]))
+        try:
+            await self.call.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            raise PipelineDown(f"Forward stream to stage 0 broke: {e}") from None
+        return self.seq
+
+    async def replies(self):
+        """FrameReplies in arrival order; raises PipelineDown when the stream breaks."""
+        try:
+            async for reply in self.call:
+                yield reply
+        except grpc.aio.AioRpcError as e:
+            raise PipelineDown(f"pipeline stream failed: {e.code().name}: {e.details()}") from None
+        raise PipelineDown("pipeline stream ended")
+
+    def close_stream(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+            self.call = None
+
+    async def release(self, request_ids: list[str]) -> None:
+        """Free these requests' KV on every stage (best effort: leases catch what is lost)."""
+        req = stage_pb2.ReleaseRequest(request_ids=request_ids)
+        calls = [stage_pb2_grpc.StageStub(ch).Release(req, timeout=5) for ch in self.channels.values()]
+        for res in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(res, Exception):
+                log.debug("release failed: %s", res)
+
+    async def close(self) -> None:
+        self.close_stream()
+        for ch in self.channels.values():
+            await ch.close()

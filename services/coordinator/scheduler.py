@@ -1,0 +1,134 @@
+"""Continuous batching for one pipeline (pure logic: no gRPC, no asyncio).
+
+The coordinator is the single writer of each request's sequence. A request has at most one frame in
+flight; new requests join at any step boundary; up to S micro-batches (one per stage) are kept in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from tether.engine.sequence import Sequence
+from tether.protocol.hashing import ContextHasher
+from tether.v1 import stage_pb2
+
+PRIORITY_ORDER = {"critical": 0, "standard": 1, "sheddable": 2}
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    tenant: str = ""
+    priority: str = "standard"
+    epoch: int = 1
+    fed: int = 0                       # context tokens the stages hold, confirmed by an echoed stamp
+    fed_hash: ContextHasher = None     # type: ignore[assignment]  # chain over those tokens
+    in_flight: bool = False
+    retries: int = 0
+    done: bool = False                 # finished, failed or cancelled: never scheduled again
+    sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
+
+    def __post_init__(self) -> None:
+        if self.fed_hash is None:
+            self.fed_hash = ContextHasher(self.seq.hash_seed)
+
+    @property
+    def id(self) -> str:
+        return self.seq.request_id
+
+    def stamp(self) -> stage_pb2.Stamp:
+        """The stamp for the next frame: every context token the stages do not hold yet."""
+        ids = self.seq.all_ids[self.fed:]
+        return stage_pb2.Stamp(request_id=self.id, epoch=self.epoch, position=self.fed, token_ids=ids,
+                               parent_hash=self.fed_hash.value, context_hash=self.seq.hasher.value)
+
+    def echo_matches(self, echo: stage_pb2.Stamp) -> bool:
+        s = self.sent
+        return (s is not None and echo.request_id == s.request_id and echo.epoch == s.epoch
+                and echo.position == s.position and echo.parent_hash == s.parent_hash
+                and echo.context_hash == s.context_hash)
+
+    def confirm(self) -> None:
+        """The frame in flight was processed by every stage: they now hold what it carried."""
+        self.fed_hash.extend(self.sent.token_ids)
+        self.fed = self.fed_hash.length
+        self.sent = None
+        self.in_flight = False
+
+    def rebuild(self) -> None:
+        """Start this request's state over under a new epoch: the whole context is replayed."""
+        self.epoch += 1
+        self.fed = 0
+        self.fed_hash = ContextHasher(self.seq.hash_seed)
+        self.sent = None
+        self.in_flight = False
+        self.retries += 1
+
+
+@dataclass
+class Scheduler:
+    num_stages: int
+    max_slots: int
+    max_tokens: int
+    waiting: deque[Request] = field(default_factory=deque)
+    running: dict[str, Request] = field(default_factory=dict)
+    frames_in_flight: int = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        req.done = True
+        self.running.pop(req.id, None)
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            pass
+
+    def has_room(self) -> bool:
+        return self.frames_in_flight < self.num_stages
+
+    def next_batch(self) -> list[Request]:
+        """Requests for the next micro-batch, each marked in flight.
+
+        The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
+        running requests (decode) go first, then waiting ones by priority and arrival.
+        """
+        if not self.has_room():
+            return []
+        active = len(self.running) + len(self.waiting)
+        share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
+        batch: list[Request] = []
+        tokens = 0
+        for req in self.running.values():
+            if len(batch) >= share:
+                break
+            if not req.in_flight and not req.done:
+                n = len(req.seq.all_ids) - req.fed
+                if batch and tokens + n > self.max_tokens:
+                    continue
+                batch.append(req)
+                tokens += n
+        if len(batch) < share and self.waiting:
+            ordered = sorted(self.waiting, key=lambda r: PRIORITY_ORDER.get(r.priority, 1))  # stable: FIFO within
+            for req in ordered:
+                if len(batch) >= share:
+                    break
+                n = len(req.seq.all_ids)
+                if batch and tokens + n > self.max_tokens:
+                    break
+                self.waiting.remove(req)
+                self.running[req.id] = req
+                batch.append(req)
+                tokens += n
+        for req in batch:
+            req.in_flight = True
+            req.sent = req.stamp()
+        if batch:
+            self.frames_in_flight += 1
+        return batch
+
+    def frame_done(self) -> None:
+        self.frames_in_flight -= 1

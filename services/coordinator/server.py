@@ -1,0 +1,82 @@
+"""The Coordinator gRPC service: Submit (stream tokens back), Cancel, Stats."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from services.coordinator.engine import Engine, Failure
+from services.coordinator.pipeline import PipelineDown
+from services.coordinator.scheduler import Request
+from tether.engine.sequence import Sequence
+from tether.model.config import ModelConfig
+from tether.model.tokenizer import Tokenizer
+from tether.protocol.hashing import hash_seed
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+
+    def _validate(self, request: coordinator_pb2.SubmitRequest) -> str | None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "prompt_token_ids is empty"
+        if max(request.prompt_token_ids) >= self.cfg.vocab_size:
+            return f"prompt has a token id >= the vocabulary size {self.cfg.vocab_size}"
+        if request.sampling.max_tokens < 1:
+            return "sampling.max_tokens must be at least 1"
+        if n + request.sampling.max_tokens > self.cfg.max_position_embeddings:
+            return (f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the context "
+                    f"window of {self.cfg.max_position_embeddings}")
+        if request.sampling.temperature < 0:
+            return "sampling.temperature must be >= 0"
+        return None
+
+    async def Submit(self, request, context):
+        error = self._validate(request)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        rid = request.request_id or uuid.uuid4().hex
+        seq = Sequence(rid, list(request.prompt_token_ids), request.sampling, self.tokenizer,
+                       hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
+        req = Request(seq, tenant=request.tenant, priority=request.priority or "standard")
+        try:
+            events = self.engine.submit(req)
+        except PipelineDown as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finished = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Failure):
+                    finished = True
+                    await context.abort(ev.code, ev.message)
+                yield coordinator_pb2.TokenEvent(index=ev.index, token_id=ev.token_id, text=ev.text,
+                                                 finish_reason=ev.finish_reason, context_hash=ev.context_hash)
+                if ev.finish_reason:
+                    finished = True
+                    return
+        finally:
+            if not finished:   # client went away or the call was cancelled: free the request now
+                self.engine.cancel(rid)
+
+    async def Cancel(self, request, context):
+        return coordinator_pb2.CancelReply(found=self.engine.cancel(request.request_id))
+
+    async def Stats(self, request, context):
+        e, c = self.engine, self.engine.counters
+        return coordinator_pb2.StatsReply(
+            serving=e.serving, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
+            running=len(e.sched.running), waiting=len(e.sched.waiting), tokens_generated=c.tokens,
+            requests_finished=c.finished, requests_failed=c.failed, slots_rejected=c.rejected_slots,
+            pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings)

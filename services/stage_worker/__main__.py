@@ -1,0 +1,3 @@
+from services.stage_worker.main import main
+
+main()

@@ -1,0 +1,74 @@
+"""`tether stage`: serve one slice of the model's layers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import torch
+
+from services.stage_worker.server import StageServicer
+from services.stage_worker.worker import StageWorker
+from tether import grpcutil, settings
+from tether.model.config import ModelConfig, parse_layers
+from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
+
+log = logging.getLogger("stage")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tether stage",
+        description="Stage worker: holds a contiguous slice of the model's layers and the KV state of the "
+                    "requests passing through it; verifies every frame's stamps before touching that state. "
+                    "Its place in the pipeline (next stage) comes from the coordinator's handshake.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=settings.STAGE_BASE_PORT, help="gRPC port (default: %(default)s)")
+    p.add_argument("--model", default=settings.DEFAULT_MODEL,
+                   help="preset (tiny, small, base) or a Hugging Face folder (default: %(default)s)")
+    p.add_argument("--layers", default=":",
+                   help="layers to hold: START:END (END exclusive) or I/N for slice I of an even split into N "
+                        "(default: all)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--kv-capacity", type=int, default=settings.KV_CAPACITY_TOKENS,
+                   help="KV budget in tokens over all requests (default: %(default)s)")
+    p.add_argument("--lease", type=float, default=settings.KV_LEASE_S,
+                   help="free a request's state after this many idle seconds (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    folder = resolve_model(args.model)
+    cfg = ModelConfig.from_folder(folder)
+    start, end = parse_layers(args.layers, cfg.num_hidden_layers)
+    model = load_slice(folder, start, end, args.dtype)
+    fingerprint = model_fingerprint(folder)
+    server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"])
+    address = f"{args.host}:{server.port}"
+    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype)
+    servicer = StageServicer(worker, fingerprint, address, args.kv_capacity, args.lease)
+    from tether.v1 import stage_pb2_grpc
+    stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
+    await server.start()
+    await server.set_serving(True)
+    leases = asyncio.create_task(servicer.expire_leases())
+    print(f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, model {fingerprint})",
+          flush=True)
+    try:
+        await server.wait_for_signal()
+    finally:
+        leases.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    grpcutil.configure_logging("stage", args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        asyncio.run(serve(args))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise SystemExit(f"tether stage: {e}")

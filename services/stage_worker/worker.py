@@ -1,0 +1,136 @@
+"""One stage's step: verify a frame slot by slot, run the admitted slots through the layers, and produce
+either the frame for the next stage or (on the last stage) a sampled token per slot.
+
+No gRPC here: `process` takes a Frame and returns results and the next frame, so it is testable alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.stage_worker.state import Admitted, Rejected, StageState
+from tether.engine import sampler
+from tether.kv.cache import KVPool, NoCapacity
+from tether.model.llama import ModelSlice, SlotRows
+from tether.protocol import tensors
+from tether.protocol.hashing import payload_digest
+from tether.v1 import stage_pb2
+
+R = stage_pb2.RejectReason
+
+
+@dataclass
+class StepOutcome:
+    results: list[stage_pb2.SlotResult] = field(default_factory=list)   # answered here (rejections, tokens)
+    forward: stage_pb2.Frame | None = None                              # for the next stage (seq unset)
+
+
+def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
+    """The stamp as echoed back: everything but the token ids."""
+    return stage_pb2.Stamp(request_id=stamp.request_id, epoch=stamp.epoch, position=stamp.position,
+                           parent_hash=stamp.parent_hash, context_hash=stamp.context_hash)
+
+
+def frame_digest(frame: stage_pb2.Frame) -> int:
+    return payload_digest(frame.activations.data, [s.stamp.context_hash for s in frame.slots])
+
+
+class StageWorker:
+    def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32") -> None:
+        self.model = model
+        self.index = index
+        self.dtype = dtype
+        self.pool = KVPool(kv_capacity_tokens)
+        self.state = StageState(lambda owner: model.new_kv(self.pool, owner), model.cfg.max_position_embeddings)
+        self.slots_rejected = 0
+
+    def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
+        self.slots_rejected += 1
+        return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False, reason=reason, detail=detail,
+                                    stage_index=self.index)
+
+    def reject_all(self, frame: stage_pb2.Frame, reason: int, detail: str) -> StepOutcome:
+        return StepOutcome([self.reject(s, reason, detail) for s in frame.slots])
+
+    def process(self, frame: stage_pb2.Frame) -> StepOutcome:
+        """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
+        if frame_digest(frame) != frame.payload_digest:
+            return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
+        rows = sum(len(s.stamp.token_ids) for s in frame.slots)
+        hidden = None
+        if not self.model.has_embedding:
+            try:
+                hidden = tensors.decode(frame.activations, rows=rows, width=self.model.cfg.hidden_size, dtype=self.dtype)
+            except tensors.BadTensor as e:
+                return self.reject_all(frame, R.BAD_TENSOR, f"activations: {e}")
+        elif frame.HasField("activations") and frame.activations.data:
+            return self.reject_all(frame, R.BAD_FRAME, "the first stage takes token ids, not activations")
+        out = StepOutcome()
+        admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
+        seen: set[str] = set()
+        row = 0
+        for slot in frame.slots:
+            n = len(slot.stamp.token_ids)
+            try:
+                if slot.stamp.request_id in seen:
+                    raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
+                seen.add(slot.stamp.request_id)
+                a = self.state.check(slot)
+                try:
+                    a.state.kv.ensure(a.position + n)
+                except NoCapacity as e:
+                    self.state.abandon(a)
+                    raise Rejected(R.NO_CAPACITY, str(e)) from None
+                admitted.append((slot, a, row))
+            except Rejected as e:
+                out.results.append(self.reject(slot, e.reason, e.detail))
+            row += n
+        if not admitted:
+            return out
+        try:
+            h = self._run(frame, admitted, hidden)
+        except Exception:
+            for _, a, _ in admitted:
+                self.state.abandon(a)
+            raise
+        for _, a, _ in admitted:
+            self.state.commit(a)
+        if self.model.has_head:
+            out.results.extend(self._sample(admitted, h))
+        else:
+            out.forward = self._next_frame(frame, admitted, h)
+        return out
+
+    def _run(self, frame, admitted, hidden: torch.Tensor | None) -> torch.Tensor:
+        slots = [SlotRows(a.state.kv, a.position, len(a.token_ids)) for _, a, _ in admitted]
+        if hidden is None:
+            x = torch.tensor([t for _, a, _ in admitted for t in a.token_ids], dtype=torch.long)
+        else:
+            x = torch.cat([hidden[r:r + len(a.token_ids)] for _, a, r in admitted])
+        return self.model(x, slots)
+
+    def _sample(self, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
+        ends = []
+        row = 0
+        for slot, a, _ in admitted:
+            row += len(a.token_ids)
+            if slot.sample:
+                ends.append(row - 1)
+        logits = self.model.logits(h[ends]) if ends else None
+        results, k = [], 0
+        for slot, a, _ in admitted:
+            res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)
+            if slot.sample:
+                res.has_token = True
+                res.token_id = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
+                k += 1
+            results.append(res)
+        return results
+
+    def _next_frame(self, frame, admitted, h: torch.Tensor) -> stage_pb2.Frame:
+        nxt = stage_pb2.Frame(pipeline_epoch=frame.pipeline_epoch, slots=[s for s, _, _ in admitted],
+                              activations=tensors.encode(h))
+        nxt.payload_digest = frame_digest(nxt)
+        return nxt
