@@ -25,7 +25,7 @@ tether/v1/%_pb2.py: protos/tether/v1/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 run: setup  ## start the local cluster on the embedded tiny model and show it answering
-	$(BIN)/python -m tether.cli.demo
+	$(BIN)/tether up --demo
 
 test: setup  ## the whole test suite (unit + services on loopback)
 	$(BIN)/python -m pytest -q

@@ -6,15 +6,14 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
-from typing import Iterator, NoReturn
+from contextlib import aclosing
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from services.admission.tagger import Tags, tag
-from services.admission.validate import ModelLimits, ValidationError, ValidRequest, validate
+from services.admission.validate import ModelLimits, ValidRequest, validate
 from tether import settings
 from tether.grpcutil import Server
 from tether.protocol.hashing import prompt_digest
@@ -25,10 +24,6 @@ log = logging.getLogger(__name__)
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
-class Overloaded(Exception):
-    """The global concurrency cap is reached."""
-
-
 class ConcurrencyLimit:
     """A non-blocking cap: a request over it is refused at once, never queued (DESIGN.md: "never a hang")."""
 
@@ -36,16 +31,15 @@ class ConcurrencyLimit:
         self.limit = limit
         self.active = 0
 
-    @contextmanager
-    def slot(self) -> Iterator[None]:
+    def try_acquire(self) -> bool:
         # No lock: the asyncio loop runs this check-and-increment without interleaving.
         if self.active >= self.limit:
-            raise Overloaded
+            return False
         self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
 
 
 def retry_status_details(code: grpc.StatusCode, message: str, retry_after_s: float) -> bytes:
@@ -62,6 +56,8 @@ def tags_proto(tags: Tags) -> common_pb2.IntentTags:
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
+    """Generate, GenerateStream and Tag, forwarding to one coordinator over a shared channel."""
+
     def __init__(self, coordinator: grpc.aio.Channel, coordinator_target: str, model: ModelLimits,
                  model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS) -> None:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
@@ -76,28 +72,40 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
         valid, tags = await self._admit(request, context)
         response = admission_pb2.GenerateResponse(tags=tags_proto(tags), seed=valid.sampling.seed)
-        with await self._slot(context):
-            async for event, receipt in self._generate(request, valid, tags, context):
-                response.token_ids.append(event.token_id)
-                response.text += event.text
-                if receipt is not None:
-                    response.finish_reason = event.finish_reason
-                    response.receipt.CopyFrom(receipt)
+        text: list[str] = []
+        await self._acquire(context)
+        try:
+            async with aclosing(self._generate(request, valid, tags, context)) as events:
+                async for event, receipt in events:
+                    response.token_ids.append(event.token_id)
+                    text.append(event.text)
+                    if receipt is not None:
+                        response.finish_reason = event.finish_reason
+                        response.receipt.CopyFrom(receipt)
+        finally:
+            self.limit.release()
+        response.text = "".join(text)
         return response
 
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
         valid, tags = await self._admit(request, context)
-        with await self._slot(context):
-            async for event, receipt in self._generate(request, valid, tags, context):
-                chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id, text=event.text,
-                                                    finish_reason=event.finish_reason)
-                if event.index == 0:
-                    chunk.tags.CopyFrom(tags_proto(tags))
-                    chunk.seed = valid.sampling.seed
-                if receipt is not None:
-                    chunk.receipt.CopyFrom(receipt)
-                yield chunk
+        await self._acquire(context)
+        try:
+            # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send,
+            # the inner generator must close now, cancelling the coordinator call, not whenever it is collected.
+            async with aclosing(self._generate(request, valid, tags, context)) as events:
+                async for event, receipt in events:
+                    chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
+                                                        text=event.text, finish_reason=event.finish_reason)
+                    if event.index == 0:
+                        chunk.tags.CopyFrom(tags_proto(tags))
+                        chunk.seed = valid.sampling.seed
+                    if receipt is not None:
+                        chunk.receipt.CopyFrom(receipt)
+                    yield chunk
+        finally:
+            self.limit.release()
 
     async def Tag(self, request: admission_pb2.TagRequest,
                   context: grpc.aio.ServicerContext) -> admission_pb2.TagResponse:
@@ -116,20 +124,14 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
             tags = tag(valid.prompt, len(valid.prompt_token_ids), valid.sampling.max_tokens,
                        tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
-        except (ValidationError, ValueError) as e:
+        except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return valid, tags
 
-    async def _slot(self, context: grpc.aio.ServicerContext):
-        """Enter the concurrency cap or refuse with RESOURCE_EXHAUSTED + RetryInfo."""
-        slot = self.limit.slot()
-        try:
-            slot.__enter__()
-        except Overloaded:
-            await self._abort_overloaded(context)
-        return _Entered(slot)
-
-    async def _abort_overloaded(self, context: grpc.aio.ServicerContext) -> NoReturn:
+    async def _acquire(self, context: grpc.aio.ServicerContext) -> None:
+        """Take a slot under the concurrency cap, or refuse with RESOURCE_EXHAUSTED and a RetryInfo detail."""
+        if self.limit.try_acquire():
+            return
         message = (f"admission is at its limit of {self.limit.limit} concurrent requests; "
                    f"retry in {settings.OVERLOAD_RETRY_AFTER_S:g} s")
         details = retry_status_details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, settings.OVERLOAD_RETRY_AFTER_S)
@@ -173,19 +175,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             call.cancel()
         log.warning("request %s failed: %s %s", valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
-
-
-class _Entered:
-    """Lets `with await self._slot(ctx):` release a slot that `_slot` already entered."""
-
-    def __init__(self, slot) -> None:
-        self._slot = slot
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        self._slot.__exit__(*exc)
 
 
 async def track_readiness(server: Server, coordinator: grpc.aio.Channel, model_fingerprint: str,

@@ -42,11 +42,10 @@ class ModelLimits:
 class ValidRequest:
     prompt: str                              # the decoded prompt (raw bytes stay in the request for the receipt)
     prompt_token_ids: list[int]
-    sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and seed filled in
+    sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and (when sampling) seed filled in
     tenant: str
     priority: str                            # critical | standard | sheddable
     request_id: str                          # the caller's, or a fresh one
-    seed_assigned: bool                      # True when admission drew the seed (report it to the caller)
 
 
 def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
@@ -55,10 +54,10 @@ def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> Vali
     tenant = _check_tenant(request.tenant)
     priority = _check_priority(request.priority)
     request_id = _check_request_id(request.request_id)
-    sampling, seed_assigned = _normalize_sampling(request.sampling, model.vocab_size)
+    sampling = _normalize_sampling(request.sampling, model.vocab_size)
     token_ids = model.tokenizer.encode(prompt)
     _check_lengths(len(token_ids), sampling.max_tokens, model.max_context)
-    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id, seed_assigned)
+    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id)
 
 
 def _decode_prompt(raw: bytes) -> str:
@@ -68,7 +67,8 @@ def _decode_prompt(raw: bytes) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValidationError(f"prompt is not valid UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        message = f"prompt is not valid UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start})"
+        raise ValidationError(message) from None
     if not text.strip():
         raise ValidationError("prompt is empty; send at least one non-whitespace character")
     return text
@@ -92,10 +92,10 @@ def _check_request_id(request_id: str) -> str:
     if len(request_id) > settings.MAX_REQUEST_ID_CHARS or not _PRINTABLE_ASCII.fullmatch(request_id):
         raise ValidationError(f"request_id must be at most {settings.MAX_REQUEST_ID_CHARS} printable ASCII "
                               f"characters; got {request_id[:160]!r}")
-    return request_id or uuid.uuid4().hex
+    return request_id or uuid.uuid4().hex  # the receipt and every log line need an id
 
 
-def _normalize_sampling(given: common_pb2.SamplingParams, vocab_size: int) -> tuple[common_pb2.SamplingParams, bool]:
+def _normalize_sampling(given: common_pb2.SamplingParams, vocab_size: int) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
     s.CopyFrom(given)
     if s.max_tokens == 0:
@@ -112,11 +112,11 @@ def _normalize_sampling(given: common_pb2.SamplingParams, vocab_size: int) -> tu
     if s.top_k > vocab_size:
         raise ValidationError(f"top_k must be between 0 and the vocabulary size {vocab_size} (0 = off); got {s.top_k}")
     _check_stop(list(s.stop))
-    seed_assigned = s.temperature > 0 and s.seed == 0
-    if seed_assigned:
-        # Drawn here, once, so that replays inside the pipeline and a retry by the caller sample the same tokens.
+    if s.temperature > 0 and s.seed == 0:
+        # Drawn here, once, and sent back in the response: replays inside the pipeline sample the same tokens,
+        # and the caller can reproduce the answer by sending this seed.
         s.seed = secrets.randbits(63) or 1
-    return s, seed_assigned
+    return s
 
 
 def _check_stop(stop: list[str]) -> None:
@@ -132,7 +132,8 @@ def _check_lengths(prompt_tokens: int, max_tokens: int, max_context: int) -> Non
     if prompt_tokens == 0:
         raise ValidationError("prompt tokenizes to no tokens; send some text")
     if prompt_tokens > settings.MAX_PROMPT_TOKENS:
-        raise ValidationError(f"prompt is {prompt_tokens} tokens; at most {settings.MAX_PROMPT_TOKENS} tokens are allowed")
+        raise ValidationError(f"prompt is {prompt_tokens} tokens; "
+                              f"at most {settings.MAX_PROMPT_TOKENS} tokens are allowed")
     if prompt_tokens + max_tokens > max_context:
         room = max_context - prompt_tokens
         hint = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"

@@ -1,0 +1,47 @@
+# tether: one image for every service; the command picks the role (`tether stage|coordinator|admission ...`).
+# CPU only. Runtime needs no network: the embedded `tiny` model is generated here, at build time.
+#   docker build -t tether .
+#   docker compose up            (see docker-compose.yml)
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    TETHER_HOME=/data/tether
+
+# torch first, from the CPU index, so that `pip install .` finds torch==2.13.0 satisfied and never pulls CUDA.
+# Its own layer: code changes do not reinstall it.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+RUN useradd --create-home --uid 10001 --user-group tether
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos/ protos/
+COPY tether/ tether/
+COPY services/ services/
+
+# Generate the gRPC code before installing, so that the installed package (what the `tether` script imports)
+# contains it; this is the Makefile's `proto` target. Then check that torch is still the CPU build.
+RUN pip install "grpcio-tools>=1.60" \
+ && python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/tether/v1/*.proto \
+ && pip install . \
+ && rm -rf build *.egg-info \
+ && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0' and torch.version.cuda is None, torch.__version__" \
+ && python -c "import tether.v1.stage_pb2_grpc, tether.v1.coordinator_pb2_grpc, tether.v1.admission_pb2_grpc"
+
+# Bake the embedded model into TETHER_HOME. docker-compose mounts a named volume there; an empty named volume is
+# filled from the image (with this ownership) on first use, so the model is generated once, here.
+RUN mkdir -p /data/tether \
+ && python -c "from tether.model.loader import resolve_model; resolve_model('tiny')" \
+ && chown -R tether:tether /data/tether
+
+USER tether
+
+# admission, coordinator, stage 0 and stage 1 of the default ports (tether/settings.py)
+EXPOSE 50051 50061 50071 50072
+
+ENTRYPOINT ["tether"]
+CMD ["--help"]

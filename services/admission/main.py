@@ -1,0 +1,76 @@
+"""Command line of the admission service: `python -m services.admission --help`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.admission.server import AdmissionServicer, track_readiness
+from services.admission.validate import ModelLimits
+from tether import settings
+from tether.grpcutil import Server, channel, configure_logging
+from tether.model.config import ModelConfig
+from tether.model.loader import load_model_tokenizer, model_fingerprint, resolve_model
+from tether.v1 import admission_pb2, admission_pb2_grpc
+
+SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.admission",
+        description="tether's public front door: validates and tags requests, limits concurrency, forwards them "
+                    "to a coordinator and streams tokens back with an end-to-end receipt.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
+                   help="gRPC port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", default=f"127.0.0.1:{settings.COORDINATOR_PORT}",
+                   help="the coordinator to forward to (default: %(default)s)")
+    p.add_argument("--model", default=settings.DEFAULT_MODEL,
+                   help="preset name (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
+                        "since admission tokenizes (default: %(default)s)")
+    p.add_argument("--max-concurrent", type=_positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
+                   help="requests in flight beyond which admission answers RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="(default: %(default)s)")
+    return p
+
+
+def load_model_limits(model: str) -> tuple[ModelLimits, str]:
+    """The tokenizer and limits of `model`, and its fingerprint (which the coordinator must report too)."""
+    folder = resolve_model(model)
+    cfg = ModelConfig.from_folder(folder)
+    limits = ModelLimits(load_model_tokenizer(folder), cfg.max_position_embeddings, cfg.vocab_size)
+    return limits, model_fingerprint(folder)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    limits, fingerprint = load_model_limits(args.model)
+    coordinator = channel(args.coordinator)
+    server = Server(args.host, args.port, [SERVICE_NAME])
+    servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent)
+    admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
+    # NOT_SERVING until the readiness loop has seen the coordinator serve our model.
+    await server.set_serving(False)
+    await server.start()
+    readiness = asyncio.create_task(track_readiness(server, coordinator, fingerprint))
+    print(f"admission listening on {args.host}:{server.port} (coordinator {args.coordinator}, "
+          f"model {args.model} {fingerprint})", flush=True)
+    try:
+        await server.wait_for_signal()
+    finally:
+        readiness.cancel()
+        await coordinator.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging("admission", args.log_level)
+    asyncio.run(serve(args))

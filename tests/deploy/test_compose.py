@@ -1,0 +1,396 @@
+"""The container files are correct by construction: no Docker engine is needed to check them.
+
+docker-compose.yml must run exactly the cluster that tether/cli/cluster.py service_commands() launches as local
+processes (same subcommands and flags, listening on 0.0.0.0, peers by service name), start it in health order,
+and health-check it with tether.cli.healthcheck; the Dockerfile must build that image offline-at-runtime (CPU
+torch pinned as in pyproject.toml, gRPC code generated as the Makefile does, the tiny model baked in). The
+health check itself is run here as a subprocess against a real grpc.aio server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml  # PyYAML: a dependency of transformers, which the `test` extra installs
+
+from tether import settings
+from tether.cli import healthcheck
+from tether.cli.cluster import service_commands
+from tether.cli.main import SERVICE_MODULES
+from tether.cli.main import build_parser as tether_parser
+from tether.model.config import parse_layers
+from tether.model.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+MODEL = "tiny"
+TETHER_HOME = "/data/tether"
+HEALTHCHECK = ["CMD", "python", "-m", "tether.cli.healthcheck"]
+ADDRESS_FLAGS = {"--stages", "--coordinator"}   # hold peers' addresses: service names in compose
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _tether_services(compose: dict) -> dict[str, dict]:
+    """The services that run the tether image (everything but third-party images such as Jaeger)."""
+    return {name: svc for name, svc in compose["services"].items()
+            if svc.get("command") and svc["command"][0] in SERVICE_MODULES}
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """`--flag value` pairs -> dict (every flag these services get takes exactly one value, given once)."""
+    assert len(args) % 2 == 0, f"odd flag list {args}"
+    pairs = list(zip(args[::2], args[1::2]))
+    assert all(k.startswith("--") and not v.startswith("--") for k, v in pairs), args
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), f"repeated flag in {args}"
+    return dict(pairs)
+
+
+def _env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _stage_index(svc: dict) -> int:
+    i, _ = _flags(svc["command"][1:])["--layers"].split("/")
+    return int(i)
+
+
+def _reference() -> dict[str, list[str]]:
+    """service_commands() of the same cluster (default ports) -> name: argv after `python -m`."""
+    stages = sum(1 for svc in _compose()["services"].values() if (svc.get("command") or [""])[0] == "stage")
+    return {s.name: s.argv[s.argv.index("-m") + 1:] for s in service_commands(MODEL, stages)}
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines, buf = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        lines.append(buf + line)
+        buf = ""
+    assert not buf, "Dockerfile ends inside a continued line"
+    out = []
+    for line in lines:
+        instr, _, rest = line.partition(" ")
+        out.append((instr.upper(), rest.strip()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- compose
+
+def test_compose_has_the_expected_services():
+    compose = _compose()
+    assert set(_tether_services(compose)) == {"stage0", "stage1", "coordinator", "admission"}
+    assert set(_reference()) == set(_tether_services(compose))
+    assert "jaeger" in compose["services"]
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1", "coordinator", "admission"])
+def test_command_parses_with_the_service_parser(name):
+    cmd = _tether_services(_compose())[name]["command"]
+    assert all(isinstance(a, str) for a in cmd), f"{name}: every argv item must be a string (quote numbers)"
+    # `tether SUBCOMMAND ...` dispatches to services.<module>.main, whose build_parser() must accept the rest
+    assert tether_parser().parse_args(cmd[:1]).command == cmd[0]
+    module = importlib.import_module(f"services.{SERVICE_MODULES[cmd[0]]}.main")
+    try:
+        ns = module.build_parser().parse_args(cmd[1:])
+    except SystemExit as e:
+        pytest.fail(f"{name}: `tether {shlex.join(cmd)}` does not parse (exit {e.code})")
+    assert ns.host == "0.0.0.0", f"{name} must listen on all interfaces in a container"
+    assert ns.model == MODEL
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1", "coordinator", "admission"])
+def test_command_matches_service_commands(name):
+    cmd = _tether_services(_compose())[name]["command"]
+    ref = _reference()[name]
+    assert ref[0] == f"services.{SERVICE_MODULES[cmd[0]]}", f"{name}: `tether {cmd[0]}` runs another service"
+    mine, theirs = _flags(cmd[1:]), _flags(ref[1:])
+    assert set(mine) == set(theirs), f"{name}: flags {sorted(mine)} != service_commands() {sorted(theirs)}"
+    assert mine["--host"] == "0.0.0.0"
+    for flag in set(theirs) - {"--host"} - ADDRESS_FLAGS:
+        assert mine[flag] == theirs[flag], f"{name}: {flag} {mine[flag]!r} != service_commands() {theirs[flag]!r}"
+
+
+def test_default_ports_are_the_settings():
+    services = _tether_services(_compose())
+    port = {name: int(_flags(svc["command"][1:])["--port"]) for name, svc in services.items()}
+    assert port["admission"] == settings.ADMISSION_PORT
+    assert port["coordinator"] == settings.COORDINATOR_PORT
+    for name, svc in services.items():
+        if svc["command"][0] == "stage":
+            assert port[name] == settings.STAGE_BASE_PORT + _stage_index(svc)
+
+
+def test_coordinator_route_is_the_stage_services_in_order():
+    services = _tether_services(_compose())
+    stages = sorted((svc for svc in services.values() if svc["command"][0] == "stage"), key=_stage_index)
+    names = {id(svc): name for name, svc in services.items()}
+    expected = [f"{names[id(svc)]}:{_flags(svc['command'][1:])['--port']}" for svc in stages]
+    assert [names[id(svc)] for svc in stages] == [f"stage{i}" for i in range(len(stages))]
+    route = _flags(services["coordinator"]["command"][1:])["--stages"].split(",")
+    assert route == expected
+
+
+def test_admission_points_at_the_coordinator_service():
+    services = _tether_services(_compose())
+    port = _flags(services["coordinator"]["command"][1:])["--port"]
+    assert _flags(services["admission"]["command"][1:])["--coordinator"] == f"coordinator:{port}"
+
+
+def test_layer_specs_cover_the_tiny_model_exactly():
+    num_layers = PRESETS[MODEL].num_hidden_layers
+    assert num_layers == 4
+    services = _tether_services(_compose())
+    route = [a.split(":")[0] for a in _flags(services["coordinator"]["command"][1:])["--stages"].split(",")]
+    n = {_flags(services[name]["command"][1:])["--layers"].split("/")[1] for name in route}
+    assert n == {str(len(route))}, "every stage must split the model into the same number of slices"
+    ranges = [parse_layers(_flags(services[name]["command"][1:])["--layers"], num_layers) for name in route]
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers, ranges
+    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        assert end == start, f"gap or overlap between stages: {ranges}"
+    assert all(a < b for a, b in ranges), ranges
+
+
+def test_start_order_follows_health():
+    services = _tether_services(_compose())
+
+    def deps(name: str) -> dict:
+        d = services[name].get("depends_on") or {}
+        assert isinstance(d, dict), f"{name}: depends_on must use the long form with a condition"
+        return d
+
+    stages = [name for name, svc in services.items() if svc["command"][0] == "stage"]
+    for name in stages:
+        assert not set(deps(name)) & set(services), f"{name} must not wait for other tether services"
+    assert set(deps("coordinator")) == set(stages)
+    assert set(deps("admission")) == {"coordinator"}
+    for name in ("coordinator", "admission"):
+        for dep, spec in deps(name).items():
+            assert spec == {"condition": "service_healthy"}, f"{name} -> {dep}: {spec}"
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1", "coordinator", "admission"])
+def test_every_tether_service_has_a_healthcheck(name):
+    svc = _tether_services(_compose())[name]
+    hc = svc.get("healthcheck")
+    assert hc, f"{name} has no healthcheck"
+    test = hc["test"]
+    assert test[:4] == HEALTHCHECK, test
+    args = healthcheck.build_parser().parse_args(test[4:])
+    port = _flags(svc["command"][1:])["--port"]
+    assert args.target == f"127.0.0.1:{port}", f"{name} checks {args.target}, listens on {port}"
+    assert not hc.get("disable")
+
+
+def test_admission_is_published_and_env_is_set():
+    compose = _compose()
+    services = _tether_services(compose)
+    admission_port = _flags(services["admission"]["command"][1:])["--port"]
+    assert f"{admission_port}:{admission_port}" in [str(p) for p in services["admission"].get("ports", [])]
+    volume_names = set(compose.get("volumes") or {})
+    for name, svc in services.items():
+        env = _env(svc)
+        assert env.get("TETHER_HOME") == TETHER_HOME, name
+        assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == "http://jaeger:4317", name
+        mounts = [v.split(":") for v in svc.get("volumes", [])]
+        assert any(src in volume_names and dst == TETHER_HOME for src, dst, *_ in mounts), \
+            f"{name}: TETHER_HOME must be a named volume"
+        assert svc.get("build") and svc.get("image"), name
+
+
+def test_jaeger_is_optional_all_in_one():
+    jaeger = _compose()["services"]["jaeger"]
+    assert jaeger["image"].split(":")[0] == "jaegertracing/all-in-one"
+    published = {str(p).split(":")[-1] for p in jaeger.get("ports", [])}
+    assert {"4317", "16686"} <= published
+    assert jaeger.get("profiles"), "Jaeger is optional: behind a compose profile"
+    for name, svc in _tether_services(_compose()).items():
+        assert "jaeger" not in (svc.get("depends_on") or {}), f"{name} must not need Jaeger"
+
+
+# --------------------------------------------------------------------------------------------- Dockerfile
+
+def test_dockerfile_base_user_workdir_entrypoint():
+    instr = _dockerfile_instructions()
+    assert instr[0] == ("FROM", "python:3.11-slim")
+    entry = [json.loads(a) for i, a in instr if i == "ENTRYPOINT"]
+    assert entry == [["tether"]]
+    assert [a for i, a in instr if i == "WORKDIR"] == ["/app"]
+    users = [a for i, a in instr if i == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
+    env = " ".join(a for i, a in instr if i == "ENV")
+    assert re.search(rf"\bTETHER_HOME={re.escape(TETHER_HOME)}\b", env)
+    # pyproject's console script is what ENTRYPOINT runs
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "tether" in pyproject["project"]["scripts"]
+
+
+def test_dockerfile_copies_what_the_build_needs():
+    instr = _dockerfile_instructions()
+    sources = []
+    for i, a in instr:
+        if i == "COPY":
+            parts = [p for p in a.split() if not p.startswith("--")]
+            sources += [p.rstrip("/") for p in parts[:-1]]
+    assert set(sources) == {"pyproject.toml", "protos", "tether", "services", "README.md"}
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY {src}: missing from the repository"
+    allowed = {line.strip()[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
+               if line.strip().startswith("!")}
+    assert set(sources) <= allowed, ".dockerignore must let every COPY source into the build context"
+    ignore = DOCKERIGNORE.read_text()
+    assert "tether/v1/*_pb2.py" in ignore, "locally generated gRPC code must not leak into the image"
+
+
+def test_dockerfile_pins_cpu_torch_before_installing_the_package():
+    runs = [a for i, a in _dockerfile_instructions() if i == "RUN"]
+    text = "\n".join(runs)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["dependencies"] if d.replace(" ", "").startswith("torch=="))
+    assert pin.replace(" ", "") == "torch==2.13.0"
+    torch_cmd = "pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0"
+    assert torch_cmd in text
+    install = re.search(r"pip install \.(\s|$)", text)
+    assert install, "the image must `pip install .`"
+    assert text.index(torch_cmd) < install.start(), "CPU torch first, or pip pulls the CUDA build"
+
+
+def test_dockerfile_generates_protos_like_the_makefile_before_installing():
+    text = "\n".join(a for i, a in _dockerfile_instructions() if i == "RUN")
+    makefile = (ROOT / "Makefile").read_text()
+    m = re.search(r"-m (grpc_tools\.protoc [^\n$]*?)\s*\$<", makefile)
+    assert m, "Makefile proto rule not found"
+    protoc = f"python -m {m.group(1).strip()} protos/tether/v1/*.proto"
+    assert protoc in text
+    # generated before `pip install .`, so that the installed package (what `tether` imports) contains it
+    assert text.index(protoc) < re.search(r"pip install \.(\s|$)", text).start()
+
+
+def test_dockerfile_bakes_the_tiny_model():
+    text = "\n".join(a for i, a in _dockerfile_instructions() if i == "RUN")
+    assert "from tether.model.loader import resolve_model; resolve_model('tiny')" in text
+
+
+# --------------------------------------------------------------------------------------------- healthcheck
+
+class _Loop:
+    """An asyncio loop in a thread, to host a grpc.aio server while the test runs subprocesses."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+def health_server():
+    """The services' own gRPC server (tether.grpcutil.Server: health + reflection) on 127.0.0.1:free port."""
+    from tether.grpcutil import Server
+
+    loop = _Loop()
+
+    async def start():
+        server = Server("127.0.0.1", 0, ["tether.test.Dummy"])
+        await server.start()
+        return server
+
+    server = loop.run(start())
+    try:
+        yield loop, server
+    finally:
+        loop.run(server.server.stop(None))
+        loop.close()
+
+
+def _healthcheck(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tether.cli.healthcheck", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_healthcheck_serving_and_not_serving(health_server):
+    loop, server = health_server
+    target = f"127.0.0.1:{server.port}"
+    loop.run(server.set_serving(True))
+    r = _healthcheck(target)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SERVING" in r.stdout
+    r = _healthcheck(target, "--service", "tether.test.Dummy")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _healthcheck(target, "--service", "no.such.Service")   # NOT_FOUND
+    assert r.returncode == 1, r.stdout + r.stderr
+    loop.run(server.set_serving(False))
+    r = _healthcheck(target)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "NOT_SERVING" in r.stderr
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_healthcheck_nothing_listening():
+    r = _healthcheck(f"127.0.0.1:{_unused_port()}")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "UNAVAILABLE" in r.stderr
+
+
+def test_healthcheck_times_out_on_a_silent_peer():
+    """A port that accepts but never answers (a hung service) is unhealthy after the 2 s deadline."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        t0 = time.monotonic()
+        r = _healthcheck(f"127.0.0.1:{s.getsockname()[1]}")
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert elapsed >= healthcheck.DEFAULT_TIMEOUT_S * 0.9
+    assert elapsed < healthcheck.DEFAULT_TIMEOUT_S + 15
+
+
+def test_healthcheck_help_and_usage():
+    r = _healthcheck("--help")
+    assert r.returncode == 0
+    assert "HOST:PORT" in r.stdout and "SERVING" in r.stdout
+    r = _healthcheck()   # no target: a usage error is "unhealthy" (1), never Docker's reserved 2
+    assert r.returncode == 1
+    assert "usage" in r.stderr

@@ -1,0 +1,180 @@
+"""A local tether cluster as child processes: what `tether up` runs and what the service tests start.
+
+Each service is its own process talking gRPC on loopback, launched with exactly the command a container
+runs (see docker-compose.yml). Readiness is the admission's gRPC health (SERVING only once the coordinator
+has assembled its pipeline), never a sleep. Children die with the parent (PR_SET_PDEATHSIG) and are
+stopped with SIGTERM, then SIGKILL after a grace period: no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tether import settings
+from tether.model.config import ModelConfig, even_split
+from tether.model.loader import resolve_model
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: stop() still cleans up on a normal exit
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    address: str
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission_port: int = settings.ADMISSION_PORT,
+                     coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
+                     threads: int = 0, extra: dict[str, list[str]] | None = None) -> list[Service]:
+    """The commands of a cluster, in start order (stages, coordinator, admission)."""
+    stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages)]
+    extra = extra or {}
+    py = [sys.executable, "-m"]
+    services = []
+    for i in range(stages):
+        argv = py + ["services.stage_worker", "--host", host, "--port", str(stage_ports[i]), "--model", model,
+                     "--layers", f"{i}/{stages}"]
+        if threads:
+            argv += ["--threads", str(threads)]
+        services.append(Service(f"stage{i}", argv + extra.get("stage", []), f"{host}:{stage_ports[i]}"))
+    route = ",".join(s.address for s in services)
+    services.append(Service("coordinator", py + ["services.coordinator", "--host", host, "--port",
+                                                 str(coordinator_port), "--model", model, "--stages", route]
+                            + extra.get("coordinator", []), f"{host}:{coordinator_port}"))
+    services.append(Service("admission", py + ["services.admission", "--host", host, "--port", str(admission_port),
+                                               "--model", model, "--coordinator", f"{host}:{coordinator_port}"]
+                            + extra.get("admission", []), f"{host}:{admission_port}"))
+    return services
+
+
+@dataclass
+class LocalCluster:
+    model: str = settings.DEFAULT_MODEL
+    stages: int = 2
+    host: str = "127.0.0.1"
+    admission_port: int = 0          # 0: pick free ports (tests); `tether up` passes the defaults
+    threads: int = 0
+    log_dir: Path | None = None      # None: children write to this process's stdout/stderr
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return self.services[-1].address
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def start(self, timeout: float = 120.0) -> "LocalCluster":
+        folder = resolve_model(self.model)      # generate a preset once, before children race for it
+        num_layers = ModelConfig.from_folder(folder).num_hidden_layers
+        even_split(num_layers, self.stages)     # fail early with a clear message
+        free = self.admission_port == 0
+        ports = [free_port(self.host) for _ in range(self.stages + 2)] if free else None
+        self.services = service_commands(
+            self.model, self.stages, self.host,
+            admission_port=ports[0] if free else self.admission_port,
+            coordinator_port=ports[1] if free else settings.COORDINATOR_PORT,
+            stage_ports=ports[2:] if free else None, threads=self.threads, extra=self.extra)
+        for svc in self.services:
+            self.spawn(svc)
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self, svc: Service) -> None:
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            svc.log_path = self.log_dir / f"{svc.name}.log"
+            out = open(svc.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    env=env, preexec_fn=_die_with_parent, cwd=_repo_root())
+        if out is not None:
+            out.close()
+
+    def wait_ready(self, timeout: float, name: str = "admission") -> None:
+        """Block until the service reports SERVING (for admission: the whole pipeline is up)."""
+        svc = self.service(name)
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(svc.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                for s in self.services:
+                    if s.proc is not None and s.proc.poll() is not None:
+                        raise RuntimeError(f"{s.name} exited with {s.proc.returncode} during start-up\n{s.log_tail()}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{name} at {svc.address} not SERVING after {timeout:.0f}s\n{svc.log_tail()}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        svc = self.service(name)
+        svc.proc.send_signal(sig)
+        svc.proc.wait(timeout=10)
+
+    def restart(self, name: str) -> None:
+        self.spawn(self.service(name))
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child (admission first), then SIGKILL whatever outlives the grace period."""
+        live = [s for s in reversed(self.services) if s.proc is not None and s.proc.poll() is None]
+        for s in live:
+            s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for s in live:
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def temp_log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="tether-logs-"))

@@ -1,0 +1,73 @@
+"""`tether generate` and `tether tag`: talk to a running cluster through the SDK."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from tether import settings
+
+DEFAULT_TARGET = f"127.0.0.1:{settings.ADMISSION_PORT}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether generate",
+                                description="Send one prompt to tether's admission service and print the answer.")
+    p.add_argument("prompt", help="the prompt (UTF-8 text)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
+                   help="output budget in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one")
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--tenant", default="", help="tenant (cache namespace)")
+    p.add_argument("--priority", default="", choices=["", "critical", "standard", "sheddable"], help="priority class")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print the whole result (text, tokens, receipt, tags) as JSON")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tether.client import Client, TetherError
+    args = build_parser().parse_args(argv)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, stop=tuple(args.stop), tenant=args.tenant, priority=args.priority)
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            if args.stream and not args.json:
+                for delta in client.stream(args.prompt, **params):
+                    print(delta.text, end="", flush=True)
+                print()
+                return
+            result = client.generate(args.prompt, **params)
+    except TetherError as e:
+        raise SystemExit(f"tether generate: {e}")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), ensure_ascii=False, indent=2))
+    else:
+        print(result.text)
+
+
+def build_tag_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether tag", description="Show the intent tags admission extracts from a prompt "
+                                                             "(language, length constraint, task, domain, ...).")
+    p.add_argument("prompt", help="the prompt (UTF-8 text)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS, help="requested output budget")
+    return p
+
+
+def tag_main(argv: list[str] | None = None) -> None:
+    from tether.client import Client, TetherError
+    args = build_tag_parser().parse_args(argv)
+    try:
+        with Client(args.target) as client:
+            tags = client.tag(args.prompt, max_tokens=args.max_tokens)
+    except TetherError as e:
+        raise SystemExit(f"tether tag: {e}")
+    print(json.dumps(tags, ensure_ascii=False, indent=2))

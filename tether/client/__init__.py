@@ -1,0 +1,23 @@
+"""Python SDK of tether: `Client` (blocking) and `AsyncClient` (asyncio) for the Admission service.
+
+    from tether.client import Client
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("Hello", max_tokens=16).text)
+        s = c.stream("你好")
+        for delta in s:
+            print(delta.text, end="")
+        print(s.result.receipt)
+
+Every answer's receipt is checked against what this client sent; a mismatch raises ReceiptMismatch.
+"""
+
+from tether.client.aio import AsyncClient, AsyncStream
+from tether.client.errors import (DeadlineExceeded, InvalidArgument, ReceiptMismatch, ResourceExhausted, TetherError,
+                                  Unavailable)
+from tether.client.sync import Client, Stream
+from tether.types import Delta, GenerateResult, Receipt
+
+__all__ = [
+    "AsyncClient", "AsyncStream", "Client", "Stream", "Delta", "GenerateResult", "Receipt", "TetherError",
+    "InvalidArgument", "Unavailable", "DeadlineExceeded", "ResourceExhausted", "ReceiptMismatch",
+]

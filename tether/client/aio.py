@@ -1,0 +1,102 @@
+"""asyncio client of the Admission service: the same surface as `tether.client.Client`, awaited."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from tether.client.errors import from_rpc_error
+from tether.client.wire import (StreamAssembler, encode_prompt, generate_request, result_from_response, tag_request,
+                                tags_dict)
+from tether.grpcutil import channel
+from tether.types import Delta, GenerateResult
+from tether.v1 import admission_pb2_grpc
+
+
+class AsyncStream:
+    """Tokens of one request as they are generated: `async for delta in stream`.
+
+    When iteration ends, `.result` holds the whole `GenerateResult` with its receipt checked; `.tags` and `.seed`
+    are set from the first chunk on. `cancel()` cancels the request on the server; call it when you stop
+    iterating early (an abandoned async iterator is only closed when it is garbage collected).
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, prompt: bytes, request_id: str) -> None:
+        self._call = call
+        self._assembler = StreamAssembler(prompt, request_id)
+        self.result: GenerateResult | None = None
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        return self._assembler.tags
+
+    @property
+    def seed(self) -> int:
+        return self._assembler.seed
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for chunk in self._call:
+                yield self._assembler.add(chunk)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            self._call.cancel()  # a no-op once the call completed
+        self.result = self._assembler.finish()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AsyncClient:
+    """`AsyncClient("127.0.0.1:50051")`: awaitable generate, stream and tag. Create it inside the event loop;
+    use `async with` or `await close()`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self._channel = channel(target)
+        self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
+
+    async def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+                       tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
+        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are."""
+        data = encode_prompt(prompt)
+        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
+                                   request_id=request_id)
+        try:
+            response = await self._stub.Generate(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        return result_from_response(response, data, request_id)
+
+    def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+               tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
+        """Start a request and return its `AsyncStream` (not awaited: iterate it); same parameters as `generate`."""
+        data = encode_prompt(prompt)
+        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
+                                   request_id=request_id)
+        return AsyncStream(self._stub.GenerateStream(request, timeout=self.timeout), data, request_id)
+
+    async def tag(self, prompt: str | bytes, max_tokens: int = 64, tenant: str = "",
+                  priority: str = "") -> dict[str, Any]:
+        """The intent tags admission would give this request, without generating (dry run)."""
+        request = tag_request(encode_prompt(prompt), max_tokens=max_tokens, tenant=tenant, priority=priority)
+        try:
+            return tags_dict((await self._stub.Tag(request, timeout=self.timeout)).tags)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,32 @@
+"""Client-side checks of an answer against the request that asked for it (DESIGN.md "End-to-end receipt").
+
+Pure functions, so each rule is testable without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tether.client.errors import ReceiptMismatch
+from tether.protocol.hashing import prompt_digest
+from tether.types import Receipt
+
+
+def check_index(expected: int, index: int) -> None:
+    """Streamed tokens must arrive with indices 0, 1, 2, ...: a gap or repeat means a lost or foreign token."""
+    if index != expected:
+        raise ReceiptMismatch(f"token index {index} arrived where {expected} was expected; "
+                              f"the stream lost, repeated or reordered tokens")
+
+
+def check_receipt(receipt: Receipt, prompt: bytes, token_ids: Sequence[int], request_id: str = "") -> None:
+    """Raise ReceiptMismatch unless `receipt` vouches for this prompt, these tokens and (when given) this request id."""
+    if request_id and receipt.request_id != request_id:
+        raise ReceiptMismatch(f"receipt is for request {receipt.request_id!r}, but this client sent {request_id!r}")
+    expected = prompt_digest(prompt)
+    if receipt.prompt_digest != expected:
+        raise ReceiptMismatch(f"receipt's prompt digest {receipt.prompt_digest:016x} differs from {expected:016x}, "
+                              f"the digest of the prompt this client sent: the answer is for another prompt")
+    if receipt.output_tokens != len(token_ids):
+        raise ReceiptMismatch(f"receipt counts {receipt.output_tokens} output tokens, "
+                              f"but {len(token_ids)} were received")

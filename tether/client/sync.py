@@ -1,0 +1,105 @@
+"""Blocking client of the Admission service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from tether.client.errors import from_rpc_error
+from tether.client.wire import (StreamAssembler, encode_prompt, generate_request, result_from_response, tag_request,
+                                tags_dict)
+from tether.grpcutil import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS
+from tether.types import Delta, GenerateResult
+from tether.v1 import admission_pb2_grpc
+
+
+class Stream:
+    """Tokens of one request as they are generated.
+
+    Iterate it (once) for `Delta`s. When iteration ends, `.result` holds the whole `GenerateResult` with its
+    receipt checked; `.tags` (dict) and `.seed` (the sampling seed used) are set from the first chunk on.
+    Stopping early (break) or `cancel()` cancels the request on the server.
+    Raises TetherError subclasses, ReceiptMismatch included, from the iteration.
+    """
+
+    def __init__(self, call: grpc.Call, prompt: bytes, request_id: str) -> None:
+        self._call = call
+        self._assembler = StreamAssembler(prompt, request_id)
+        self.result: GenerateResult | None = None
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        return self._assembler.tags
+
+    @property
+    def seed(self) -> int:
+        return self._assembler.seed
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for chunk in self._call:
+                yield self._assembler.add(chunk)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            self._call.cancel()  # a no-op once the call completed
+        self.result = self._assembler.finish()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    """`Client("127.0.0.1:50051")`: generate, stream and tag against an admission service.
+
+    `timeout` (seconds) bounds every call; None waits as long as the server takes. Use as a context manager
+    or call `close()`.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=MESSAGE_OPTIONS + KEEPALIVE_OPTIONS)
+        self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
+
+    def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+                 tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
+        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are."""
+        data = encode_prompt(prompt)
+        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
+                                   request_id=request_id)
+        try:
+            response = self._stub.Generate(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return result_from_response(response, data, request_id)
+
+    def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+               tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
+        """Start a request and return its `Stream` (see there); same parameters as `generate`."""
+        data = encode_prompt(prompt)
+        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
+                                   request_id=request_id)
+        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), data, request_id)
+
+    def tag(self, prompt: str | bytes, max_tokens: int = 64, tenant: str = "", priority: str = "") -> dict[str, Any]:
+        """The intent tags admission would give this request, without generating (dry run)."""
+        request = tag_request(encode_prompt(prompt), max_tokens=max_tokens, tenant=tenant, priority=priority)
+        try:
+            return tags_dict(self._stub.Tag(request, timeout=self.timeout).tags)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
