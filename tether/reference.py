@@ -80,7 +80,7 @@ def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperat
     seq = generate_ids(lm, prompt_ids, params, namespace)
     receipt = Receipt(seq.request_id, prompt_digest(prompt.encode()), len(prompt_ids), seq.hasher.value,
                       len(seq.output_ids), lm.fingerprint)
-    return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt)
+    return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt, seed=seed)
 
 
 # --- teacher-forced audit -------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class GenerateResult:
     finish_reason: str               # "length" | "stop" | "eos" | "context"
     receipt: Receipt
     tags: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0                    # the sampling seed used (admission draws one when sampling unseeded)
 
 
 @dataclass(frozen=True)

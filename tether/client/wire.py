@@ -44,7 +44,7 @@ def result_from_response(response: admission_pb2.GenerateResponse, prompt: bytes
     token_ids = list(response.token_ids)
     check_receipt(receipt, prompt, token_ids, request_id)
     return GenerateResult(response.text, token_ids, FINISH_REASONS[response.finish_reason], receipt,
-                          tags_dict(response.tags))
+                          tags_dict(response.tags), response.seed)
 
 
 class StreamAssembler:
@@ -78,7 +78,8 @@ class StreamAssembler:
                 raise ReceiptMismatch("the final chunk carries no receipt")
             receipt = Receipt.from_proto(chunk.receipt)
             check_receipt(receipt, self._prompt, self._token_ids, self._request_id)
-            self.result = GenerateResult("".join(self._text), list(self._token_ids), finish, receipt, self.tags)
+            self.result = GenerateResult("".join(self._text), list(self._token_ids), finish, receipt, self.tags,
+                                         self.seed)
         return Delta(chunk.index, chunk.token_id, chunk.text, finish)
 
     def finish(self) -> GenerateResult:

@@ -24,8 +24,12 @@ TEXTS = [
     "𠜎𠜱𠝹𠱓 (4-byte CJK extension B)",
 ]
 
-# text without lone surrogates (not encodable) and without U+FFFD (the detokenizer's "incomplete" marker)
-texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters=REPLACEMENT), max_size=40)
+SPECIAL_STRINGS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+# Text without lone surrogates (not encodable), without U+FFFD (the detokenizer's "incomplete" marker) and
+# without the literal special-token strings (see test_special_token_strings_in_text_are_plain_bytes).
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters=REPLACEMENT),
+                max_size=40).filter(lambda t: not any(s in t for s in SPECIAL_STRINGS))
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,19 @@ def test_round_trip_and_ids_are_utf8_bytes(tok, text):
 
 
 @given(text=texts)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 def test_round_trip_any_text(tok, text):
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG tether/model/tokenizer.py Tokenizer.encode: hf.encode(text, add_special_tokens=False) still matches "
+    "added special tokens inside the text, so a prompt containing the literal '<|eos|>' becomes token 257 "
+    "(EOS) instead of its 7 bytes and decodes to '' (user text can inject control tokens; no round trip)"))
+@pytest.mark.parametrize("text", ["<|eos|>", "say <|bos|> hi", "<|pad|><|pad|>"])
+def test_special_token_strings_in_text_are_plain_bytes(tok, text):
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
@@ -97,7 +112,7 @@ def test_detokenizer_chinese_byte_by_byte(tok):
 
 
 @given(text=texts)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 def test_detokenizer_concatenates_to_full_decode(tok, text):
     ids = tok.encode(text)
     deltas, rest = _feed(tok, ids)

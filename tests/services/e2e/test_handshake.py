@@ -1,0 +1,70 @@
+"""A pipeline whose stages do not assemble exactly refuses to serve and says which stage and why."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tether.cli.cluster import LocalCluster, Service, free_port
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, common_pb2
+
+
+def _start(tmp_path, stage_specs: list[tuple[str, str]]) -> LocalCluster:
+    """Stages with explicit (model, layers) plus a coordinator over them; no admission."""
+    c = LocalCluster(log_dir=tmp_path)
+    py = [sys.executable, "-m"]
+    for i, (model, layers) in enumerate(stage_specs):
+        port = free_port()
+        c.services.append(Service(f"stage{i}", py + ["services.stage_worker", "--port", str(port), "--model", model,
+                                                     "--layers", layers, "--threads", "1"], f"127.0.0.1:{port}"))
+    route = ",".join(s.address for s in c.services)
+    port = free_port()
+    c.services.append(Service("coordinator", py + ["services.coordinator", "--port", str(port), "--model", "tiny",
+                                                   "--stages", route], f"127.0.0.1:{port}"))
+    for s in c.services:
+        c.spawn(s)
+    return c
+
+
+def _refusal(c: LocalCluster, timeout: float = 120.0) -> str:
+    """Poll the coordinator until it reports a refused pipeline; return its status line."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(c.service("coordinator").address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                stats = stub.Stats(coordinator_pb2.StatsRequest(), timeout=2)
+                assert not stats.serving, f"pipeline served: {stats.status}"
+                if stats.status.startswith("pipeline refused:"):
+                    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                    with pytest.raises(grpc.RpcError) as info:
+                        list(stub.Submit(coordinator_pb2.SubmitRequest(
+                            prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
+                    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert stats.status in info.value.details()
+                    return stats.status
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise AssertionError("coordinator never reported the refusal\n" + c.service("coordinator").log_tail())
+
+
+@pytest.mark.parametrize("specs, words", [
+    ([("tiny", "0:2"), ("tiny", "3:4")], ["stage 1", "gap"]),
+    ([("tiny", "0:3"), ("tiny", "2:4")], ["stage 1", "overlap"]),
+    ([("tiny", "0:2"), ("tiny", "2:3")], ["stage 1", "lacks the head"]),
+    ([("tiny", "0:2"), ("small", "4:8")], ["stage 1", "model"]),
+])
+def test_mis_assembled_pipeline_is_refused_with_reason(tmp_path, specs, words):
+    c = _start(tmp_path, specs)
+    try:
+        status = _refusal(c)
+        for w in words:
+            assert w in status, status
+    finally:
+        c.stop()

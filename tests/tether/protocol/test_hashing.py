@@ -1,0 +1,125 @@
+"""The context hash chain, its seed, and the payload digest that binds frame bytes to slots."""
+
+from __future__ import annotations
+
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tether.protocol.hashing import (
+    ContextHasher,
+    context_hash,
+    hash_seed,
+    payload_digest,
+    prompt_digest,
+    token_bytes,
+)
+
+SEED = hash_seed("fingerprint-abc", "tenant-a")
+token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=80)
+FAST = settings(max_examples=200, deadline=None, database=None)
+
+
+def chain(seed: int, chunks) -> ContextHasher:
+    h = ContextHasher(seed)
+    for c in chunks:
+        h.extend(c)
+    return h
+
+
+@given(ids=token_lists, data=st.data())
+@FAST
+def test_chain_is_independent_of_chunking(ids, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    bounds = [0, *cuts, len(ids)]
+    chunks = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+    h = chain(SEED, chunks)
+    assert h.value == context_hash(SEED, ids) == chain(SEED, [ids]).value
+    assert h.length == len(ids)
+
+
+@given(ids=token_lists, data=st.data())
+@FAST
+def test_chain_equals_xxh3_over_little_endian_uint32(ids, data):
+    seed = data.draw(st.integers(0, 2**64 - 1))
+    raw = b"".join(t.to_bytes(4, "little") for t in ids)
+    assert token_bytes(ids) == raw
+    assert context_hash(seed, ids) == xxhash.xxh3_64_intdigest(raw, seed=seed)
+    assert ContextHasher(seed).extend(ids) == context_hash(seed, ids)
+
+
+@given(ids=token_lists, more=token_lists)
+@FAST
+def test_peek_does_not_commit(ids, more):
+    h = chain(SEED, [ids])
+    before, length = h.value, h.length
+    peeked = h.peek(more)
+    assert (h.value, h.length) == (before, length)
+    assert peeked == context_hash(SEED, ids + more)
+    assert h.peek(more) == peeked                      # repeatable
+    assert h.extend(more) == peeked and h.value == peeked
+    assert h.length == length + len(more)
+
+
+def test_copy_is_independent():
+    h = chain(SEED, [[1, 2, 3]])
+    c = h.copy()
+    c.extend([4])
+    assert h.value == context_hash(SEED, [1, 2, 3]) and h.length == 3
+    assert c.value == context_hash(SEED, [1, 2, 3, 4]) and c.length == 4 and c.seed == h.seed
+
+
+def test_empty_chain_and_empty_extension():
+    h = ContextHasher(SEED)
+    assert h.value == context_hash(SEED, []) and h.length == 0
+    assert h.extend([]) == h.value and h.length == 0
+
+
+def test_seed_binds_model_and_tenant():
+    ids = [1, 2, 3, 257]
+    seeds = {hash_seed("fp1", ""), hash_seed("fp1", "a"), hash_seed("fp1", "b"), hash_seed("fp2", ""),
+             hash_seed("fp2", "a")}
+    assert len(seeds) == 5
+    assert len({context_hash(s, ids) for s in seeds}) == 5
+    assert hash_seed("fp1", "a") == hash_seed("fp1", "a")        # deterministic across calls
+    # the separator keeps (fingerprint, namespace) pairs apart
+    assert hash_seed("ab", "c") != hash_seed("a", "bc")
+    assert ContextHasher(hash_seed("fp1", "a")).extend(ids) != ContextHasher(hash_seed("fp1", "b")).extend(ids)
+
+
+def test_chain_distinguishes_order_boundaries_and_large_ids():
+    values = {context_hash(SEED, ids) for ids in ([1, 2], [2, 1], [1, 2, 0], [0, 1, 2], [258], [2, 1, 0],
+                                                  [2**32 - 1], [65536 + 1])}
+    assert len(values) == 8
+    # token ids are whole uint32s, not bytes: [1, 0] and [256] have different encodings
+    assert token_bytes([256]) != token_bytes([0, 1])
+
+
+def test_payload_digest_binds_bytes_and_slot_hashes():
+    data = bytes(range(256)) * 4
+    hashes = [context_hash(SEED, [1]), context_hash(SEED, [2]), context_hash(SEED, [3])]
+    d = payload_digest(data, hashes)
+    assert d == payload_digest(bytes(data), list(hashes))
+    flipped = bytearray(data)
+    flipped[500] ^= 1
+    assert payload_digest(bytes(flipped), hashes) != d                 # any byte
+    assert payload_digest(data[:-1], hashes) != d                     # truncation
+    assert payload_digest(data, [hashes[1], hashes[0], hashes[2]]) != d   # slot order matters
+    assert payload_digest(data, hashes[:2]) != d                      # a slot dropped
+    assert payload_digest(data, [*hashes, hashes[2]]) != d            # a slot duplicated
+    assert payload_digest(data, [hashes[0] ^ 1, *hashes[1:]]) != d    # one context hash changed
+    assert payload_digest(b"", []) == payload_digest(b"", [])
+
+
+@given(data=st.binary(max_size=200), hashes=st.lists(st.integers(0, 2**64 - 1), min_size=2, max_size=6))
+@FAST
+def test_payload_digest_order_sensitive(data, hashes):
+    swapped = [hashes[1], hashes[0], *hashes[2:]]
+    if swapped != hashes:
+        assert payload_digest(data, swapped) != payload_digest(data, hashes)
+
+
+def test_prompt_digest_is_seed_zero_xxh3():
+    text = "你好 tether".encode()
+    assert prompt_digest(text) == xxhash.xxh3_64_intdigest(text, seed=0)
+    assert prompt_digest(text) != prompt_digest(text + b" ")
