@@ -47,6 +47,8 @@ class Pipeline:
         try:
             reply = await stub.Handshake(req, timeout=15)
         except grpc.aio.AioRpcError as e:
+            if "unreachable from stage" in (e.details() or ""):
+                raise PipelineDown(f"pipeline not assembled: {e.details()}") from None
             raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
         if not reply.ok:
             raise PipelineDown(f"pipeline refused: {reply.error}")

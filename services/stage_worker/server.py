@@ -87,9 +87,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             try:
                 reply = await stage_pb2_grpc.StageStub(self.next_channel).Handshake(down, timeout=10)
             except grpc.aio.AioRpcError as e:
-                return stage_pb2.HandshakeReply(
-                    ok=False, stages=stages,
-                    error=f"stage {down.index} ({nxt}) unreachable from stage {request.index}: {e.details()}")
+                # Not a refusal: the route may assemble once that stage is up, so the caller retries.
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"stage {down.index} ({nxt}) unreachable from stage {request.index}: {e.details()}")
             stages.extend(reply.stages)
             if not reply.ok:
                 return stage_pb2.HandshakeReply(ok=False, error=reply.error, stages=stages)

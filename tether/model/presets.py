@@ -19,7 +19,7 @@ from tether.model.config import ModelConfig
 from tether.model.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, write_byte_tokenizer
 
 # Bump when the generator changes, so old folders are not mistaken for new ones.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 _COMMON = dict(vocab_size=BYTE_VOCAB_SIZE, rms_norm_eps=1e-5, rope_theta=10000.0,
                max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))

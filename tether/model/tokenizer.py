@@ -35,7 +35,8 @@ def write_byte_tokenizer(folder: Path) -> None:
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    # BOS/EOS/PAD (256-258) stay model-only ids: registered as special tokens, their spellings typed in a
+    # prompt ("<|eos|>") would become control tokens instead of plain bytes. Decoding skips ids it lacks.
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "add_bos_token": False}))

@@ -52,10 +52,6 @@ def test_round_trip_any_text(tok, text):
     assert tok.decode(ids) == text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG tether/model/tokenizer.py Tokenizer.encode: hf.encode(text, add_special_tokens=False) still matches "
-    "added special tokens inside the text, so a prompt containing the literal '<|eos|>' becomes token 257 "
-    "(EOS) instead of its 7 bytes and decodes to '' (user text can inject control tokens; no round trip)"))
 @pytest.mark.parametrize("text", ["<|eos|>", "say <|bos|> hi", "<|pad|><|pad|>"])
 def test_special_token_strings_in_text_are_plain_bytes(tok, text):
     ids = tok.encode(text)
@@ -64,13 +60,13 @@ def test_special_token_strings_in_text_are_plain_bytes(tok, text):
 
 
 def test_specials(tok):
-    assert tok.vocab_size == 259 <= BYTE_VOCAB_SIZE
+    assert tok.vocab_size == 256 < BYTE_VOCAB_SIZE           # specials are model ids, not tokenizer entries
     assert tok.eos_ids == frozenset({EOS_ID})
     assert tok.bos_id == BOS_ID and not tok.add_bos          # the byte tokenizer does not prepend BOS
     # special tokens are dropped from decoded text
     ids = [BOS_ID, *"你好".encode(), EOS_ID, PAD_ID, *b"!"]
     assert tok.decode(ids) == "你好!"
-    assert tok.hf.token_to_id("<|eos|>") == EOS_ID
+    assert tok.hf.token_to_id("<|eos|>") is None
 
 
 def _feed(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:

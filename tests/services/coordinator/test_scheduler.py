@@ -1,0 +1,288 @@
+"""The coordinator's continuous batching (pure logic): shares, in-flight bounds, priorities, budgets, stamps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.coordinator.scheduler import Request, Scheduler
+from services.stage_worker.worker import echo
+from tether.engine.sequence import Sequence
+from tether.model.loader import load_model_tokenizer, resolve_model
+from tether.protocol.hashing import context_hash, hash_seed
+from tether.reference import sampling_params
+
+SEED = hash_seed("fp", "")
+TOK = load_model_tokenizer(resolve_model("tiny"))
+
+
+def req(rid: str, prompt_len: int = 4, priority: str = "standard", max_tokens: int = 100) -> Request:
+    seq = Sequence(rid, [65 + i % 26 for i in range(prompt_len)], sampling_params(max_tokens=max_tokens), TOK,
+                   SEED, 4096)
+    return Request(seq, priority=priority)
+
+
+def complete(sched: Scheduler, batch: list[Request], token: int = 66) -> None:
+    """What the engine does when a frame's echoes all match: confirm, append, free the frame slot."""
+    sched.frame_done()
+    for r in batch:
+        assert r.echo_matches(echo(r.sent))
+        r.confirm()
+        r.seq.append(token)
+
+
+def ids(batch) -> list[str]:
+    return [r.id for r in batch]
+
+
+@pytest.mark.parametrize("stages,active,max_slots", [(2, 8, 32), (3, 10, 32), (4, 4, 32), (4, 3, 32),
+                                                      (2, 9, 32), (4, 40, 6), (1, 5, 32)])
+def test_micro_batches_take_an_even_share(stages, active, max_slots):
+    sched = Scheduler(num_stages=stages, max_slots=max_slots, max_tokens=10_000)
+    for i in range(active):
+        sched.add(req(f"r{i}"))
+    share = min(max_slots, max(1, math.ceil(active / stages)))
+    batches = []
+    while b := sched.next_batch():
+        batches.append(b)
+    assert len(batches) == min(stages, math.ceil(active / share))   # S frames in flight when load allows
+    assert all(len(b) == share for b in batches[:-1]) and 0 < len(batches[-1]) <= share
+    assert sched.frames_in_flight == len(batches) <= stages
+    seen = [r.id for b in batches for r in b]
+    assert len(seen) == len(set(seen)) == min(active, share * stages)
+    assert all(r.in_flight and r.sent is not None for b in batches for r in b)
+
+
+def test_no_room_means_no_batch_and_no_state_change():
+    sched = Scheduler(num_stages=2, max_slots=32, max_tokens=10_000)
+    for i in range(6):
+        sched.add(req(f"r{i}"))
+    b1, b2 = sched.next_batch(), sched.next_batch()
+    assert len(b1) == len(b2) == 3 and not sched.has_room()
+    sched.add(req("late"))
+    assert sched.next_batch() == [] and sched.frames_in_flight == 2
+    assert [r.id for r in sched.waiting] == ["late"]
+    complete(sched, b1)
+    b3 = sched.next_batch()
+    # 7 active over 2 stages: a share of 4; running requests whose frame came back go first, then waiting ones
+    assert ids(b3) == ["r0", "r1", "r2", "late"]
+    assert not set(ids(b3)) & set(ids(b2)) and not sched.has_room()
+
+
+def test_a_request_is_never_in_two_frames():
+    sched = Scheduler(num_stages=4, max_slots=32, max_tokens=10_000)
+    for i in range(3):
+        sched.add(req(f"r{i}"))
+    frames = []
+    while b := sched.next_batch():
+        frames.append(b)
+    assert sorted(ids(r for b in frames for r in b)) == ["r0", "r1", "r2"]
+    # room for another frame, but every request is in flight: nothing is scheduled twice
+    assert sched.has_room() and sched.next_batch() == []
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_invariants_under_random_traffic(seed):
+    """Random arrivals, completions, rejections and cancellations never break the in-flight invariants."""
+    import random
+
+    rng = random.Random(seed)
+    stages = rng.randint(1, 4)
+    sched = Scheduler(num_stages=stages, max_slots=rng.randint(1, 8), max_tokens=rng.randint(8, 64))
+    in_flight: list[list[Request]] = []
+    n = 0
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.3:
+            sched.add(req(f"r{n}", prompt_len=rng.randint(1, 20), priority=rng.choice(["critical", "standard",
+                                                                                          "sheddable"])))
+            n += 1
+        elif op < 0.7:
+            b = sched.next_batch()
+            if b:
+                in_flight.append(b)
+                tokens = sum(len(r.sent.token_ids) for r in b)
+                assert len(b) == 1 or tokens <= sched.max_tokens
+                assert len(b) <= sched.max_slots
+        elif in_flight:
+            b = in_flight.pop(rng.randrange(len(in_flight)))
+            sched.frame_done()
+            for r in b:
+                if r.done:                              # cancelled while in flight
+                    r.in_flight = False
+                elif rng.random() < 0.2:
+                    r.rebuild()
+                else:
+                    r.confirm()
+                    if r.seq.append(66).finish_reason:
+                        sched.remove(r)
+            if rng.random() < 0.1 and sched.running:
+                sched.remove(rng.choice(list(sched.running.values())))
+        # invariants
+        assert 0 <= sched.frames_in_flight == len(in_flight) <= stages
+        flying = [r.id for b in in_flight for r in b]
+        assert len(flying) == len(set(flying)), "a request is in two frames"
+        for r in sched.running.values():
+            assert r.in_flight == (r.id in flying)
+            assert not r.done
+        assert not set(r.id for r in sched.waiting) & set(sched.running)
+
+
+def test_priority_order_of_waiting_requests():
+    sched = Scheduler(num_stages=1, max_slots=1, max_tokens=10_000)
+    order = [("s1", "sheddable"), ("n1", "standard"), ("c1", "critical"), ("s2", "sheddable"),
+             ("c2", "critical"), ("n2", "standard"), ("x1", "unknown-priority")]
+    for rid, prio in order:
+        sched.add(req(rid, priority=prio))
+    got = []
+    while sched.waiting:
+        b = sched.next_batch()
+        assert len(b) == 1
+        got.append(b[0].id)
+        sched.frame_done()
+        sched.remove(b[0])                      # finished: never scheduled again
+    # critical before standard before sheddable, arrival order within a class; unknown counts as standard
+    assert got == ["c1", "c2", "n1", "n2", "x1", "s1", "s2"]
+
+
+def test_running_requests_go_before_waiting_ones():
+    sched = Scheduler(num_stages=1, max_slots=2, max_tokens=10_000)
+    sched.add(req("old1", priority="sheddable"))
+    sched.add(req("old2", priority="sheddable"))
+    b = sched.next_batch()
+    complete(sched, b)
+    sched.add(req("new", priority="critical"))
+    assert ids(sched.next_batch()) == ["old1", "old2"]
+
+
+def test_max_tokens_budget():
+    sched = Scheduler(num_stages=1, max_slots=32, max_tokens=25)
+    for i in range(5):
+        sched.add(req(f"r{i}", prompt_len=10))
+    b = sched.next_batch()
+    assert ids(b) == ["r0", "r1"] and sum(len(r.sent.token_ids) for r in b) == 20
+    complete(sched, b)
+    # decode rows are 1 each: the two running requests plus two more prefills (1 + 1 + 10 + 10 <= 25)
+    b = sched.next_batch()
+    assert ids(b) == ["r0", "r1", "r2", "r3"]
+    assert sum(len(r.sent.token_ids) for r in b) == 22
+
+
+def test_an_oversized_prompt_still_runs_alone():
+    sched = Scheduler(num_stages=1, max_slots=32, max_tokens=8)
+    sched.add(req("big", prompt_len=50))
+    sched.add(req("small", prompt_len=2))
+    b = sched.next_batch()
+    assert ids(b) == ["big"] and len(b[0].sent.token_ids) == 50
+    complete(sched, b)
+    assert ids(sched.next_batch()) == ["big", "small"]
+
+
+def test_waiting_requests_keep_their_order_when_the_budget_is_full():
+    """A big waiting request is not overtaken by a later small one (no starvation of long prompts)."""
+    sched = Scheduler(num_stages=1, max_slots=32, max_tokens=12)
+    sched.add(req("a", prompt_len=10))
+    sched.add(req("big", prompt_len=10))
+    sched.add(req("small", prompt_len=1))
+    assert ids(sched.next_batch()) == ["a"]
+    assert [r.id for r in sched.waiting] == ["big", "small"]
+
+
+def test_stamp_confirm_and_fed_hash():
+    r = req("a", prompt_len=6)
+    sched = Scheduler(num_stages=1, max_slots=4, max_tokens=100)
+    sched.add(r)
+    [got] = sched.next_batch()
+    prompt = r.seq.prompt_ids
+    assert got is r and r.in_flight
+    assert (r.sent.request_id, r.sent.epoch, r.sent.position) == ("a", 1, 0)
+    assert list(r.sent.token_ids) == prompt
+    assert r.sent.parent_hash == context_hash(SEED, []) and r.sent.context_hash == context_hash(SEED, prompt)
+    assert r.fed == 0
+    sched.frame_done()
+    r.confirm()
+    assert r.fed == 6 and r.fed_hash.value == context_hash(SEED, prompt)
+    assert not r.in_flight and r.sent is None
+    r.seq.append(70)
+    s = r.stamp()
+    assert s.position == 6 and list(s.token_ids) == [70]
+    assert s.parent_hash == context_hash(SEED, prompt)
+    assert s.context_hash == context_hash(SEED, prompt + [70])
+    [again] = sched.next_batch()
+    assert again is r and r.sent == s
+    sched.frame_done()
+    r.confirm()
+    assert r.fed == 7 and r.fed_hash.value == context_hash(SEED, prompt + [70])
+
+
+def test_rebuild_bumps_epoch_and_replays_from_zero():
+    r = req("a", prompt_len=5)
+    sched = Scheduler(num_stages=1, max_slots=4, max_tokens=100)
+    sched.add(r)
+    sched.next_batch()
+    sched.frame_done()
+    r.confirm()
+    r.seq.append(70)
+    sched.next_batch()                       # in flight with position 5 ...
+    sched.frame_done()
+    r.rebuild()                              # ... and rejected
+    assert r.epoch == 2 and r.fed == 0 and r.retries == 1 and not r.in_flight and r.sent is None
+    assert r.fed_hash.length == 0 and r.fed_hash.value == context_hash(SEED, [])
+    [b] = sched.next_batch()
+    assert b is r and r.sent.epoch == 2 and r.sent.position == 0
+    assert list(r.sent.token_ids) == r.seq.all_ids and len(r.sent.token_ids) == 6
+    assert r.sent.parent_hash == context_hash(SEED, []) and r.sent.context_hash == r.seq.hasher.value
+    r.rebuild()
+    assert r.epoch == 3 and r.retries == 2
+
+
+def test_echo_matches_only_the_exact_stamp():
+    r = req("a")
+    sched = Scheduler(num_stages=1, max_slots=4, max_tokens=100)
+    sched.add(r)
+    sched.next_batch()
+    good = echo(r.sent)
+    assert r.echo_matches(good)
+    for field, change in [("context_hash", lambda v: v ^ 1), ("parent_hash", lambda v: v ^ 1),
+                          ("epoch", lambda v: v + 1), ("epoch", lambda v: v - 1), ("position", lambda v: v + 1),
+                          ("request_id", lambda v: v + "x"), ("request_id", lambda v: "")]:
+        bad = type(good)()
+        bad.CopyFrom(good)
+        setattr(bad, field, change(getattr(bad, field)))
+        assert not r.echo_matches(bad), field
+    other = req("b")
+    other.sent = other.stamp()
+    assert not r.echo_matches(echo(other.sent))
+    r.confirm()
+    assert not r.echo_matches(good)          # nothing in flight: no echo matches
+
+
+def test_removed_requests_are_never_scheduled():
+    sched = Scheduler(num_stages=2, max_slots=4, max_tokens=100)
+    a, b = req("a"), req("b")
+    sched.add(a)
+    sched.add(b)
+    sched.remove(b)                          # cancelled while waiting
+    assert b.done and ids(sched.next_batch()) == ["a"]
+    sched.remove(a)                          # cancelled while in flight
+    assert a.done and "a" not in sched.running
+    sched.frame_done()
+    assert sched.next_batch() == []
+    sched.remove(a)                          # idempotent
+
+
+@given(prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=12), stages=st.integers(1, 4),
+       max_slots=st.integers(1, 6), max_tokens=st.integers(1, 80))
+@settings(max_examples=100, deadline=None, database=None)
+def test_first_batch_respects_slots_and_budget(prompt_lens, stages, max_slots, max_tokens):
+    sched = Scheduler(num_stages=stages, max_slots=max_slots, max_tokens=max_tokens)
+    for i, n in enumerate(prompt_lens):
+        sched.add(req(f"r{i}", prompt_len=n))
+    b = sched.next_batch()
+    share = min(max_slots, max(1, math.ceil(len(prompt_lens) / stages)))
+    assert 1 <= len(b) <= share
+    assert len(b) == 1 or sum(len(r.sent.token_ids) for r in b) <= max_tokens
+    assert ids(b) == [f"r{i}" for i in range(len(b))]       # FIFO within one priority
