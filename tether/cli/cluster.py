@@ -85,7 +85,9 @@ class LocalCluster:
     model: str = settings.DEFAULT_MODEL
     stages: int = 2
     host: str = "127.0.0.1"
-    admission_port: int = 0          # 0: pick free ports (tests); `tether up` passes the defaults
+    admission_port: int = 0          # 0: pick free ports for every service (tests); `tether up` passes ports
+    coordinator_port: int = settings.COORDINATOR_PORT
+    stage_port: int = settings.STAGE_BASE_PORT   # stage i listens on stage_port + i
     threads: int = 0
     log_dir: Path | None = None      # None: children write to this process's stdout/stderr
     extra: dict[str, list[str]] = field(default_factory=dict)
@@ -107,8 +109,9 @@ class LocalCluster:
         self.services = service_commands(
             self.model, self.stages, self.host,
             admission_port=ports[0] if free else self.admission_port,
-            coordinator_port=ports[1] if free else settings.COORDINATOR_PORT,
-            stage_ports=ports[2:] if free else None, threads=self.threads, extra=self.extra)
+            coordinator_port=ports[1] if free else self.coordinator_port,
+            stage_ports=ports[2:] if free else [self.stage_port + i for i in range(self.stages)],
+            threads=self.threads, extra=self.extra)
         for svc in self.services:
             self.spawn(svc)
         self.wait_ready(timeout)

@@ -28,8 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder with config.json, *.safetensors and tokenizer.json (default: %(default)s)")
     p.add_argument("--stages", type=int, default=2, help="stage workers; layers are split evenly (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
-                   help="admission (public) port; the coordinator uses %d and stage i %d+i (default: %%(default)s)"
-                        % (settings.COORDINATOR_PORT, settings.STAGE_BASE_PORT))
+                   help="admission (public) port (default: %(default)s)")
+    p.add_argument("--coordinator-port", type=int, default=settings.COORDINATOR_PORT,
+                   help="coordinator port (default: %(default)s)")
+    p.add_argument("--stage-port", type=int, default=settings.STAGE_BASE_PORT,
+                   help="port of stage 0; stage i listens on this + i (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per stage (default: the machine's cores divided among the stages)")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
     cluster = LocalCluster(model=args.model, stages=args.stages, host=args.host, admission_port=args.port,
-                           threads=threads)
+                           coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -69,6 +69,14 @@ def test_specials(tok):
     assert tok.hf.token_to_id("<|eos|>") is None
 
 
+def test_ids_past_the_vocabulary_decode_to_nothing(tok):
+    """The model's head is padded to 272 rows; ids 259..271 have no text and must not break decoding."""
+    assert tok.decode([*b"A", 259, 265, 271, *b"B"]) == "AB"
+    d = IncrementalDetokenizer(tok)
+    assert [d.push(i) for i in [*b"A", 265, *b"B"]] == ["A", "", "B"]
+    assert d.flush() == ""
+
+
 def _feed(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
     d = IncrementalDetokenizer(tok)
     deltas = [d.push(i) for i in ids]

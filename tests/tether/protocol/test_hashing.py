@@ -123,3 +123,12 @@ def test_prompt_digest_is_seed_zero_xxh3():
     text = "你好 tether".encode()
     assert prompt_digest(text) == xxhash.xxh3_64_intdigest(text, seed=0)
     assert prompt_digest(text) != prompt_digest(text + b" ")
+
+
+def test_payload_digest_seed_is_the_little_endian_hash_list():
+    """The wire contract, spelled out so another implementation can reproduce it: the seed is xxh3-64 of the
+    slot context hashes as little-endian uint64s, in slot order."""
+    hashes = [1, 2**63 + 5, 0xDEADBEEF]
+    data = b"activations"
+    seed = xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
+    assert payload_digest(data, hashes) == xxhash.xxh3_64_intdigest(data, seed=seed)

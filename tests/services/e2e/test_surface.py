@@ -1,0 +1,26 @@
+"""Every service answers health checks and server reflection, as operators' tools expect."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+
+@pytest.mark.parametrize("name, service", [
+    ("admission", "tether.v1.Admission"),
+    ("coordinator", "tether.v1.Coordinator"),
+    ("stage0", "tether.v1.Stage"),
+    ("stage1", "tether.v1.Stage"),
+])
+def test_health_and_reflection(cluster, name, service):
+    with grpc.insecure_channel(cluster.service(name).address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = db.get_services()
+        assert service in services and "grpc.health.v1.Health" in services
+        methods = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}
+        assert methods, "reflection serves the service's full descriptor, not just its name"
