@@ -56,7 +56,7 @@ class Sequence:
         self.output_ids.append(token_id)
         self.hasher.extend([token_id])
         is_eos = token_id in self.tokenizer.eos_ids and not self.sampling.ignore_eos
-        new = "" if is_eos else self.detok.push(token_id)
+        new = self.detok.flush() if is_eos else self.detok.push(token_id)   # EOS: emit a held partial char
         reason = FR.FINISH_REASON_UNSPECIFIED
         if is_eos:
             reason = FR.FINISH_REASON_EOS

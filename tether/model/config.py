@@ -35,9 +35,18 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; tether serves "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling {scaling!r}")
+        # transformers >= 5 writes RoPE settings into "rope_parameters"; older checkpoints keep them top level.
+        rope = cfg.get("rope_parameters") or {}
+        for scaling in (cfg.get("rope_scaling"), rope):
+            if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+                raise ValueError(f"unsupported rope_scaling/rope_parameters {scaling!r}: tether implements "
+                                 f"plain RoPE only")
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        if uses_window and window and window < cfg.get("max_position_embeddings", 2048):
+            raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: tether "
+                             f"would attend to keys the model masks out")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -50,7 +59,7 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),

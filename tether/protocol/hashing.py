@@ -8,6 +8,7 @@ hasher by the new tokens only.
 from __future__ import annotations
 
 from array import array
+import struct
 import sys
 
 import xxhash
@@ -68,5 +69,6 @@ def prompt_digest(prompt: bytes) -> int:
 
 def payload_digest(data: bytes, slot_context_hashes) -> int:
     """Bind a frame's tensor bytes to the slots that claim them: seed from all slot context hashes, in order."""
-    seed = xxhash.xxh3_64_intdigest(array("Q", slot_context_hashes).tobytes())
+    hashes = list(slot_context_hashes)
+    seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(hashes)}Q", *hashes))
     return xxhash.xxh3_64_intdigest(data, seed=seed)

@@ -159,11 +159,6 @@ def test_two_requests_batched_match_hf(pair):
     torch.testing.assert_close(got[7:], hf_logits(hf, b), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG tether/model/config.py ModelConfig.from_hf_dict: reads only the top-level 'rope_theta' "
-    "(cfg.get('rope_theta', 10000.0)); transformers>=5 saves it inside 'rope_parameters' "
-    "({'rope_theta': ..., 'rope_type': 'default'}), so any checkpoint saved by transformers 5 with a "
-    "non-default theta (e.g. Qwen2's 1e6) silently loads with theta=10000 and gives wrong logits"))
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_non_default_rope_theta_matches_hf(tmp_path, variant):
     hf = build(tmp_path, variant, seed=3, rope_theta=1000.0)
@@ -207,10 +202,6 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_slice(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG tether/model/config.py ModelConfig.from_hf_dict: the unsupported-scaling check only looks at "
-    "'rope_scaling'; transformers>=5 writes the rope type into 'rope_parameters', so a llama3/yarn-scaled "
-    "checkpoint saved by transformers 5 is loaded as plain RoPE instead of being refused"))
 def test_unsupported_rope_parameters_are_refused(tmp_path):
     build(tmp_path, "llama", seed=7)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -223,10 +214,6 @@ def test_unsupported_rope_parameters_are_refused(tmp_path):
         load_slice(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG tether/model/config.py ModelConfig.from_hf_dict / tether/model/llama.py Attention: 'sliding_window' "
-    "(Mistral; Qwen2 with use_sliding_window) is silently ignored, so past the window tether attends to keys "
-    "HF masks out (max |logit diff| ~0.5 at window 8, prompt 33); it should implement or refuse the window"))
 @pytest.mark.parametrize("variant,extra", [
     ("mistral", dict(sliding_window=8)),
     ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=0)),
