@@ -38,6 +38,12 @@ KV_CAPACITY_TOKENS = 262_144   # per stage, over all requests
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
 
+# Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
+# neighbours, its prompt chunking and the pipeline split. TETHER_BATCH_INVARIANT=0 turns it off for cost
+# measurements only; never in serving.
+BATCH_INVARIANT = __import__("os").environ.get("TETHER_BATCH_INVARIANT", "1") != "0"
+ATTENTION_BLOCK = 64           # keys per attention block; KV capacity grows in multiples of it
+
 # gRPC message size for all channels/servers (activation frames can be large).
 GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024
 

@@ -57,15 +57,16 @@ def served_params(rec: RequestRecord) -> common_pb2.SamplingParams:
     return reference.sampling_params(**p)
 
 
-def audit_record(lm: reference.LoadedModel, rec: RequestRecord, namespace: str = "") -> tuple[str, str]:
-    """(verdict, detail) for one completed request; `namespace` is the tenant the requests were sent under."""
+def audit_record(lm: reference.LoadedModel, rec: RequestRecord) -> tuple[str, str]:
+    """(verdict, detail) for one completed request."""
     prompt_ids = lm.tokenizer.encode(rec.request.prompt)
     params = served_params(rec)
     result = reference.audit(lm, prompt_ids, rec.token_ids, params)
     if result.verdict == reference.MISMATCH:
         return result.verdict, (f"output token {result.first_bad_index} (id {rec.token_ids[result.first_bad_index]}) "
                                 f"is not the reference's choice given the served prefix (gap {result.worst_gap:.3g})")
-    seq = Sequence("audit", prompt_ids, params, lm.tokenizer, hash_seed(lm.fingerprint, namespace),
+    # The bench sends no tenant, so the context hash chain is salted with the empty namespace.
+    seq = Sequence("audit", prompt_ids, params, lm.tokenizer, hash_seed(lm.fingerprint, ""),
                    lm.config.max_position_embeddings)
     for i, tok in enumerate(rec.token_ids):
         if seq.append(tok).finish_reason and i + 1 < len(rec.token_ids):

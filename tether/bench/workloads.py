@@ -93,7 +93,7 @@ def parse_mix(spec: str) -> dict[str, float]:
 
 @cache
 def _data(name: str) -> tuple[dict, ...]:
-    text = resources.files("tether.bench").joinpath("data", name).read_text(encoding="utf-8")
+    text = (resources.files("tether.bench") / "data" / name).read_text(encoding="utf-8")
     return tuple(json.loads(line) for line in text.splitlines() if line.strip())
 
 
@@ -196,7 +196,7 @@ class Workload:
             words.append(w)
         prompt = " ".join(words)
         while len(self.encode(prompt)) > n_in:
-            prompt = prompt[:-1].rstrip()
+            prompt = prompt[:-1]
         return BenchRequest(index, "synthetic", prompt, n_out, ignore_eos=True, **_sampling(rng))
 
 

@@ -17,6 +17,7 @@ COMMANDS = {
     "up": ("start the local cluster (stages, coordinator, admission) as processes", "tether.cli.up"),
     "generate": ("send one prompt to a running cluster and print the answer", "tether.cli.generate"),
     "tag": ("show the intent tags admission would give a prompt (no generation)", "tether.cli.generate"),
+    "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.bench.cli"),
     "stage": ("run one stage worker (as a container would)", None),
     "coordinator": ("run the coordinator (as a container would)", None),
     "admission": ("run the admission front door (as a container would)", None),

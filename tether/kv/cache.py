@@ -38,7 +38,8 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 pool: KVPool | None = None, owner: str = "") -> None:
+                 pool: KVPool | None = None, owner: str = "", block: int = 64) -> None:
+        self.block = block          # capacity is a multiple of it; attention reads whole blocks
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -55,7 +56,7 @@ class KVCache:
         if total <= self.capacity or self.num_layers == 0:
             self.capacity = max(self.capacity, total)
             return
-        new_cap = max(total, 2 * self.capacity, 16)
+        new_cap = -(-max(total, 2 * self.capacity) // self.block) * self.block
         if self.pool is not None:
             self.pool.reserve(new_cap - self.capacity)
         shape = (self.kv_heads, new_cap, self.head_dim)
@@ -71,11 +72,19 @@ class KVCache:
                 self.v.append(v)
         self.capacity = new_cap
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v ([kv_heads, n, head_dim]) at positions start.. and return the keys/values 0..start+n."""
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v ([kv_heads, n, head_dim]) at positions start..; zero the rest of the last block, so
+        whole-block reads never meet garbage (a masked key still multiplies its value by zero)."""
         end = start + k.shape[1]
+        block_end = min(-(-end // self.block) * self.block, self.capacity)
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
+        self.k[layer][:, end:block_end] = 0
+        self.v[layer][:, end:block_end] = 0
+
+    def blocks(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the whole blocks covering positions 0..length-1 (views, no copy)."""
+        end = -(-length // self.block) * self.block
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def release(self) -> None:

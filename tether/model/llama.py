@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tether import settings
 from tether.kv.cache import KVCache
 from tether.model.config import ModelConfig
+from tether.model.invariant import block_attention, pad_rows, padded_rows
 
 
 @dataclass
@@ -45,15 +47,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary:
-    """RoPE tables in float32, computed the way Hugging Face Llama computes them."""
+    """RoPE tables computed in float32 the way Hugging Face Llama computes them, once per position and
+    gathered by index, so a position's values never depend on which other positions share the batch."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.cos = self.sin = torch.empty(0, head_dim)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            size = max(need, 2 * self.cos.shape[0], 256)
+            freqs = torch.arange(size).float()[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 class Attention(nn.Module):
@@ -67,25 +75,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: list[SlotRows], layer: int) -> torch.Tensor:
+                slots: list[SlotRows], layer: int, invariant: bool) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)   # padding rows (past the slots) stay zero
         row = 0
         for s in slots:  # each request attends to its own keys only
             rows = slice(row, row + s.length)
-            keys, values = s.kv.write(layer, s.start, k[:, rows], v[:, rows])
-            mask = None
-            if s.length > 1:
-                total = s.start + s.length
-                mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
-            out[:, rows] = F.scaled_dot_product_attention(
-                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
+            s.kv.write(layer, s.start, k[:, rows], v[:, rows])
+            total = s.start + s.length
+            if invariant:
+                keys, values = s.kv.blocks(layer, total)
+                out[:, rows] = block_attention(q[:, rows], keys, values, s.start, s.kv.block)
+            else:
+                keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
+                mask = None
+                if s.length > 1:
+                    mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
+                out[:, rows] = F.scaled_dot_product_attention(
+                    q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                    attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
             row += s.length
         return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
 
@@ -109,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer)
+    def forward(self, x, cos, sin, slots, layer, invariant):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer, invariant)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -121,8 +134,10 @@ class ModelSlice(nn.Module):
     prefix, with layer indices local to the slice.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype: torch.dtype = torch.float32,
+                 batch_invariant: bool = settings.BATCH_INVARIANT):
         super().__init__()
+        self.batch_invariant = batch_invariant
         if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's "
                              f"{cfg.num_hidden_layers} layers")
@@ -145,23 +160,29 @@ class ModelSlice(nn.Module):
         return self.layer_end - self.layer_start
 
     def new_kv(self, pool=None, owner: str = "") -> KVCache:
-        return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool, owner)
+        return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool, owner,
+                       block=settings.ATTENTION_BLOCK)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
         """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
 
         Each slot's KV must already have room (`kv.ensure`); on success the caller advances `kv.length`.
+        With batch invariance on, rows are padded (see tether/model/invariant.py) and the padding dropped.
         """
-        x = self.embed_tokens(inputs) if self.has_embedding else inputs.to(self.dtype)
+        rows = inputs.shape[0]
+        prows = padded_rows(rows) if self.batch_invariant else rows
+        x = self.embed_tokens(pad_rows(inputs, prows)) if self.has_embedding else pad_rows(inputs.to(self.dtype), prows)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cos, sin = self.rotary.cos_sin(pad_rows(positions, prows), self.dtype)
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # broadcast over heads
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, i)
-        return x
+            x = layer(x, cos, sin, slots, i, self.batch_invariant)
+        return x[:rows]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
-        return self.lm_head(self.norm(hidden)).float()
+        rows = hidden.shape[0]
+        prows = padded_rows(rows) if self.batch_invariant else rows
+        return self.lm_head(self.norm(pad_rows(hidden, prows)))[:rows].float()

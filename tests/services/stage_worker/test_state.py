@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from services.stage_worker.state import Admitted, Rejected, StageState
+from tether import settings
 from tether.kv.cache import KVCache, KVPool
+
+BLOCK = settings.ATTENTION_BLOCK
 from tether.protocol.hashing import context_hash, hash_seed
 from tether.v1 import stage_pb2
 
@@ -68,7 +71,7 @@ def test_good_slots_advance_the_chain(stage):
     st = stage.state.requests["a"]
     assert (st.length, st.epoch, st.kv.length) == (4, 1, 4)
     assert st.hasher.value == st.kv_tag == context_hash(SEED, PROMPT)
-    assert stage.pool.used_tokens == 16                      # minimum allocation of 16 token slots
+    assert stage.pool.used_tokens == BLOCK                   # capacity is allocated in whole attention blocks
     stage.step(slot("a", [9], PROMPT))
     stage.step(slot("a", [10, 11], PROMPT + [9]))
     assert st.length == 7 and st.hasher.value == context_hash(SEED, PROMPT + [9, 10, 11])
@@ -200,7 +203,7 @@ def test_new_epoch_replaces_state_only_on_commit(stage):
     # until the step commits, the stage still holds (and answers for) the old epoch
     assert stage.state.requests["a"] is old and old.length == 4 and old.epoch == 1
     assert stage.state.held("a").epoch == 1
-    assert stage.pool.used_tokens == used + 16               # the new buffers are reserved alongside
+    assert stage.pool.used_tokens == used + BLOCK               # the new buffers are reserved alongside
     stage.state.commit(a)
     new = stage.state.requests["a"]
     assert new is a.state and new.epoch == 2 and new.length == 6
@@ -222,7 +225,7 @@ def test_abandoned_new_epoch_keeps_the_old_state(stage):
 def test_abandoned_fresh_request_frees_its_kv():
     stage = Stage()
     a = stage.admit(slot("n", [1, 2, 3]))
-    assert a.fresh and stage.pool.used_tokens == 16
+    assert a.fresh and stage.pool.used_tokens == BLOCK
     stage.state.abandon(a)
     assert stage.pool.used_tokens == 0 and "n" not in stage.state.requests
 
@@ -243,7 +246,7 @@ def test_lease_expiry_frees_only_idle_state(stage):
     stage.step(slot("b", [1, 2]))
     stage.state.requests["b"].last_used = now - 1
     assert stage.state.expire(lease_s=10, now=now) == ["a"]
-    assert list(stage.state.requests) == ["b"] and stage.pool.used_tokens == 16
+    assert list(stage.state.requests) == ["b"] and stage.pool.used_tokens == BLOCK
     assert stage.state.expire(lease_s=10, now=now + 20) == ["b"]
     assert stage.pool.used_tokens == 0 and stage.state.requests == {}
 
@@ -259,10 +262,10 @@ def test_commit_refreshes_the_lease(stage):
 def test_no_capacity_is_raised_by_the_pool():
     from tether.kv.cache import NoCapacity
 
-    stage = Stage(capacity=20)
-    stage.step(slot("a", [1] * 10))                          # reserves 16
+    stage = Stage(capacity=BLOCK + BLOCK // 2)
+    stage.step(slot("a", [1] * 10))                          # reserves one block
     a = stage.state.check(slot("b", [1] * 10))
     with pytest.raises(NoCapacity):
         a.state.kv.ensure(10)
     stage.state.abandon(a)
-    assert stage.pool.used_tokens == 16 and list(stage.state.requests) == ["a"]
+    assert stage.pool.used_tokens == BLOCK and list(stage.state.requests) == ["a"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.stage_worker.worker import StageWorker, frame_digest
-from tether import reference
+from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed
@@ -381,11 +381,12 @@ def test_stale_epoch_after_rebuild(lm, pipe):
 
 
 def test_no_capacity_rejects_only_the_slot_that_does_not_fit(lm, slices):
-    pipe = Pipe(StageWorker(slices[0], 0, 64), StageWorker(slices[1], 1, 64))
+    block = settings.ATTENTION_BLOCK
+    pipe = Pipe(StageWorker(slices[0], 0, block + 8), StageWorker(slices[1], 1, block + 8))
     small = Req("small", list(PROMPTS["one"]))
-    big = Req("big", list(range(60)))                       # 60 tokens: 64 slots cannot hold 16 + 60
+    big = Req("big", list(range(60)))                       # one block for "small" leaves 8 slots: 60 do not fit
     res = by_id(pipe.run(frame(small.slot(), big.slot())))
     assert res["small"].ok and res["big"].reason == R.NO_CAPACITY and res["big"].stage_index == 0
-    assert pipe.used == (16, 16) and not pipe.w0.state.held("big").held
+    assert pipe.used == (block, block) and not pipe.w0.state.held("big").held
     params = reference.sampling_params(max_tokens=1, ignore_eos=True)
     assert res["small"].token_id == ref_tokens(lm, PROMPTS["one"], params)[0]

@@ -183,8 +183,10 @@ def test_two_requests_in_one_micro_batch_equal_alone(full, len_a, len_b):
     for got, want in zip(_kv_rows(kv_b, len_b), _kv_rows(alone_kv_b, len_b)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for kv, n in ((kv_a, len_a), (kv_b, len_b)):
+        block_end = -(-n // kv.block) * kv.block
         for t in (*kv.k, *kv.v):
-            assert torch.isnan(t[:, n:]).all(), "a write landed past the request's own rows"
+            assert (t[:, n:block_end] == 0).all(), "the rest of the last attention block is zeroed"
+            assert torch.isnan(t[:, block_end:]).all(), "a write landed past the request's own block"
 
     # a decode step of A batched with a decode step of B, then A's decode next to a fresh prefill C
     na, nb = torch.tensor([5]), torch.tensor([9])

@@ -1,0 +1,114 @@
+"""Batch invariance, bitwise: a request's logits do not depend on its neighbours, its prompt chunking, the
+pipeline split or the thread count (torch.equal, never allclose)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tether.model.config import even_split
+from tether.model.llama import SlotRows
+from tether.model.loader import load_slice, resolve_model
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def full(folder):
+    return load_slice(folder)
+
+
+@pytest.fixture(scope="module")
+def splits(folder, full):
+    n = full.cfg.num_hidden_layers
+    return {s: [load_slice(folder, a, b) for a, b in even_split(n, s)] for s in (1, 2, 3, 4)}
+
+
+def run_chunks(slices, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits at every position of one request, fed through `slices` chunk by chunk."""
+    kvs = [s.new_kv() for s in slices]
+    out, pos = [], 0
+    for c in chunks:
+        x = torch.tensor(ids[pos:pos + c])
+        for s, kv in zip(slices, kvs):
+            kv.ensure(pos + c)
+            x = s(x, [SlotRows(kv, pos, c)])
+            kv.length = pos + c
+        out.append(slices[-1].logits(x))
+        pos += c
+    return torch.cat(out)
+
+
+def chunking(draw, n: int) -> list[int]:
+    chunks, left = [], n
+    while left:
+        c = draw(st.integers(1, left))
+        chunks.append(c)
+        left -= c
+    return chunks
+
+
+@st.composite
+def request(draw):
+    ids = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=140))
+    return ids, chunking(draw, len(ids))
+
+
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(req=request(), stages=st.sampled_from([1, 2, 3, 4]))
+def test_chunking_and_split_do_not_change_a_bit(full, splits, req, stages):
+    ids, chunks = req
+    alone = run_chunks([full], ids, [len(ids)])
+    assert torch.equal(run_chunks(splits[stages], ids, chunks), alone)
+    assert torch.equal(run_chunks([full], ids, [1] * len(ids)), alone)
+
+
+@st.composite
+def neighbourhood(draw):
+    """A request's step (prefill chunk or decode) among up to 70 neighbours at arbitrary positions."""
+    context = draw(st.integers(0, 150))
+    rows = draw(st.integers(1, 40))
+    neighbours = draw(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 24)), min_size=0, max_size=70))
+    place = draw(st.integers(0, len(neighbours)))
+    seed = draw(st.integers(0, 2**31))
+    return context, rows, neighbours, place, seed
+
+
+@SETTINGS
+@given(case=neighbourhood(), threads=st.sampled_from([1, 2]))
+def test_neighbours_and_threads_do_not_change_a_bit(full, case, threads):
+    context, rows, neighbours, place, seed = case
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (context + rows,), generator=g).tolist()
+    want = run_chunks([full], ids, [context, rows] if context else [rows])[context:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv = full.new_kv()
+        kv.ensure(context + rows)
+        if context:
+            full(torch.tensor(ids[:context]), [SlotRows(kv, 0, context)])
+            kv.length = context
+        slots, inputs = [], []
+        for start, n in neighbours:
+            nkv = full.new_kv()
+            nkv.ensure(start + n)      # neighbours' earlier context: whatever the buffers hold (finite zeros)
+            slots.append(SlotRows(nkv, start, n))
+            inputs.append(torch.randint(0, VOCAB, (n,), generator=g))
+        slots.insert(place, SlotRows(kv, context, rows))
+        inputs.insert(place, torch.tensor(ids[context:]))
+        first = sum(s.length for s in slots[:place])
+        got = full.logits(full(torch.cat(inputs), slots))[first:first + rows]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)

@@ -1,0 +1,165 @@
+"""Report writers: report.json (everything, for machines), requests.jsonl (one line per request), report.md
+(for people) and PNG plots when matplotlib is importable (the report says so when it is not).
+
+The report is a plain dict built by the CLI; its shape is documented in docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from tether.bench.records import RequestRecord
+
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+
+def write_requests(records: Iterable[RequestRecord], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_json(), ensure_ascii=False) + "\n")
+
+
+def fmt(value: float | int | None, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def slo_text(slo: dict[str, float] | None) -> str:
+    if not slo:
+        return "none given (no goodput)"
+    return ", ".join(f"{m.upper()} ≤ {ms:g} ms" for m, ms in slo.items())
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _audit_cell(audit: dict | None) -> str:
+    if audit is None:
+        return "off"
+    return f"{audit['exact']}/{audit['within_margin']}/**{audit['mismatch']}** ({_pct(audit['mismatch_rate'])})"
+
+
+def summary_rows(levels: list[dict]) -> list[list[str]]:
+    rows = []
+    for lv in levels:
+        s, lat = lv["summary"], lv["summary"]["latency_ms"]
+        rows.append([lv["label"], f"{s['completed']}/{s['requests']}", fmt(s["request_throughput"], 2),
+                     fmt(s["goodput"], 2), fmt(s["output_token_throughput"]),
+                     *(f"{fmt(lat[m]['p50'])} / {fmt(lat[m]['p99'])}" for m in METRICS),
+                     ", ".join(f"{k} {v}" for k, v in s["errors_by_status"].items()) or "0",
+                     _audit_cell(lv["audit"])])
+    return rows
+
+
+SUMMARY_HEADER = ["level", "done", "req/s", "goodput/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                  "ITL p50/p99 ms", "E2E p50/p99 ms", "errors", "audit exact/margin/MISMATCH"]
+
+
+def _group_table(groups: dict[str, dict]) -> list[str]:
+    rows = []
+    for name, s in groups.items():
+        lat = s["latency_ms"]
+        rows.append([name, f"{s['completed']}/{s['requests']}", fmt(s["request_throughput"], 2),
+                     fmt(s["output_token_throughput"]), fmt(lat["ttft"]["p50"]), fmt(lat["tpot"]["p50"]),
+                     fmt(lat["e2e"]["p50"]), fmt(lat["e2e"]["p99"]), str(s["failed"])])
+    return _table(["group", "done", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "E2E p50", "E2E p99", "failed"], rows)
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    out = [f"# tether bench — {meta['date']}", "",
+           f"- command: `{meta['command']}`",
+           f"- target: {meta['target']} ({'started by the bench' if meta['spawned'] else 'running cluster'}), "
+           f"model `{meta['model']}` ({meta['model_fingerprint']}), {meta['stages'] or '?'} stage(s)",
+           f"- machine: {meta['machine']['cores']} cores, torch {meta['machine']['torch']}, "
+           f"Python {meta['machine']['python']}; load average {meta['load_average_start']} at start",
+           f"- workload: {meta['workload']['mix']} (seed {meta['workload']['seed']}); "
+           f"per level: {meta['budget']}; warm-up {meta['warmup']} request(s)",
+           f"- SLO: {slo_text(meta['slo'])}", ""]
+    mismatches = sum(lv["audit"]["mismatch"] for lv in report["levels"] if lv["audit"])
+    if mismatches:
+        out += [f"> **{mismatches} MISMATCH(ES) FOUND BY THE AUDIT**: answers the model would not give to "
+                "their request. This is a correctness bug; details below.", ""]
+    out += ["## Summary", "", *_table(SUMMARY_HEADER, summary_rows(report["levels"])), ""]
+    for lv in report["levels"]:
+        out += [f"## {lv['label']}", ""]
+        lat = lv["summary"]["latency_ms"]
+        out += _table(["metric (ms)", "count", "mean", "p50", "p90", "p99"],
+                      [[m.upper(), str(lat[m]["count"]), fmt(lat[m]["mean"]), fmt(lat[m]["p50"]),
+                        fmt(lat[m]["p90"]), fmt(lat[m]["p99"])] for m in METRICS])
+        out += ["", "By workload:", "", *_group_table(lv["by_workload"]), ""]
+        for tag, groups in lv["by_tag"].items():
+            out += [f"By intent tag `{tag}`:", "", *_group_table(groups), ""]
+        if lv["audit"] and lv["audit"]["mismatches"]:
+            out += ["MISMATCHES:", ""] + [f"- request {m['index']} ({m['workload']}, seed {m['seed']}, "
+                                          f"{m['params']}): {m['detail']} — prompt `{m['prompt']}`"
+                                          for m in lv["audit"]["mismatches"]] + [""]
+    out += _baselines_md(report.get("baselines"))
+    out += ["## Chaos", "", _chaos_md(report["chaos"]), ""]
+    out += ["## Plots", ""]
+    out += [f"![{p}]({p})" for p in report["plots"]] or [report["plots_note"]]
+    return "\n".join(out) + "\n"
+
+
+def _baselines_md(b: dict | None) -> list[str]:
+    if b is None:
+        return ["## Baselines", "", "Not run (pass `--baselines`).", ""]
+    rows = []
+    for name, what in (("served", "tether, served over gRPC (closed loop, concurrency = batch size)"),
+                       ("engine", "raw in-process engine (continuous batching, no gRPC)"),
+                       ("hf", "transformers generate, static batching")):
+        side = b[name]
+        tok_s = fmt(side["output_token_throughput"]) if side.get("output_token_throughput") else side.get("error", "–")
+        rows.append([name, what, tok_s, ", ".join(fmt(x) for x in side.get("runs", []))])
+    return ["## Baselines", "",
+            f"{b['completed']} requests of the same workload (the prompts, seeds and output budgets the server "
+            f"used), batch size {b['batch_size']}; the in-process baselines run {b['threads']} torch thread(s), "
+            f"each of the cluster's {b['stages']} stage processes {b['stage_threads']}; median of {b['repeats']} "
+            f"interleaved run(s).", "",
+            *_table(["side", "what", "output tok/s (median)", "runs"], rows), "",
+            f"tether / engine = **{ratio_text(b['ratios'].get('vs_engine'))}**, "
+            f"tether / transformers = **{ratio_text(b['ratios'].get('vs_hf'))}**", ""]
+
+
+def ratio_text(r: float | None) -> str:
+    return "–" if r is None else f"{r:.2f}×"
+
+
+def _chaos_md(chaos: dict) -> str:
+    if not chaos["requested"]:
+        return "Not requested (pass `--chaos` against a cluster started with fault injection)."
+    return f"Unavailable: {chaos['reason']}"
+
+
+def write_plots(report: dict, records: list[RequestRecord], out_dir: Path) -> tuple[list[str], str]:
+    """Draw the plots into out_dir; (file names, note). Without matplotlib: no files and a note saying so."""
+    try:
+        import matplotlib
+    except ImportError:
+        return [], ("No plots: matplotlib is not installed (`pip install -e '.[bench]'`); "
+                    "report.json and this page hold every figure.")
+    matplotlib.use("Agg")   # files only: never needs a display
+    from tether.bench import plots
+    return plots.draw(report, records, out_dir), ""
+
+
+def write_all(report: dict, records: list[RequestRecord], out_dir: Path) -> list[Path]:
+    """Every report file into out_dir (created); returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report["plots"], report["plots_note"] = write_plots(report, records, out_dir)
+    write_json(report, out_dir / "report.json")
+    write_requests(records, out_dir / "requests.jsonl")
+    (out_dir / "report.md").write_text(markdown(report), encoding="utf-8")
+    return [out_dir / n for n in ("report.json", "requests.jsonl", "report.md", *report["plots"])]
