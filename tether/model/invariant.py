@@ -16,7 +16,14 @@ What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "B
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+
+# Masked scores. Finite, so a fully masked block needs no special case: its weight exp(MASKED - row max)
+# underflows to exactly 0 and it adds exact zeros to the fixed-order sums.
+MASKED = -1e30
 
 
 def padded_rows(rows: int, threads: int | None = None) -> int:
@@ -31,38 +38,45 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
-def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                    block: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class BlockMask:
+    """What one request's attention needs besides q/k/v; the same for every layer of a step."""
+
+    start: int
+    rows: int            # group * n query rows (GQA heads folded into rows)
+    padded: int          # rows padded by `padded_rows`
+    blocks: int          # key blocks covering start + n
+    bias: torch.Tensor   # [blocks, padded, block]: 0 where the key is visible, MASKED where not
+
+    @classmethod
+    def build(cls, start: int, n: int, group: int, block: int) -> "BlockMask":
+        rows = group * n
+        padded = padded_rows(rows)
+        blocks = -(-(start + n) // block)
+        pos = torch.arange(start, start + n).repeat(group)
+        pos = torch.cat([pos, pos.new_full((padded - rows,), -1)])      # padding rows see no key
+        visible = torch.arange(blocks * block).view(blocks, 1, block) <= pos.view(1, padded, 1)
+        bias = torch.zeros(visible.shape).masked_fill_(~visible, MASKED)
+        return cls(start, rows, padded, blocks, bias)
+
+
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask) -> torch.Tensor:
     """Causal attention of one request's queries over its own keys, in fixed key blocks.
 
-    q: [H, n, d] for positions start..start+n-1; keys/values: [Hkv, Lp, d] with Lp a multiple of `block`
-    covering start+n (rows past start+n must be finite). Returns [H, n, d].
+    q: [H, n, d]; keys/values: [Hkv, blocks * block, d] (rows past the context finite). Returns [H, n, d].
     """
     heads, n, d = q.shape
-    kv_heads, lp, _ = keys.shape
-    group = heads // kv_heads
-    nb = lp // block
-    rows = group * n
-    prows = padded_rows(rows)
-    # GQA without repeating K/V: the `group` query heads sharing one KV head become rows of one GEMM.
-    qg = pad_rows(q.reshape(kv_heads, rows, d).transpose(0, 1), prows).transpose(0, 1)   # [Hkv, prows, d]
-    kb = keys.view(kv_heads, nb, block, d)
-    vb = values.view(kv_heads, nb, block, d)
-    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2)) * (d ** -0.5)            # [Hkv, nb, prows, B]
-    pos = torch.arange(start, start + n).repeat(group)                                    # query position per row
-    pos = torch.cat([pos, pos.new_full((prows - rows,), -1)])                             # padding rows: no keys
-    key_pos = torch.arange(lp).view(nb, 1, block)
-    allowed = key_pos <= pos.view(1, prows, 1)                                            # [nb, prows, B]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    block_max = scores.amax(-1)                                                           # [Hkv, nb, prows]
-    safe_max = torch.where(torch.isinf(block_max), torch.zeros_like(block_max), block_max)
-    p = torch.exp(scores - safe_max.unsqueeze(-1))
+    kv_heads = keys.shape[0]
+    # GQA without repeating K/V: the query heads sharing one KV head become rows of one GEMM.
+    qg = F.pad(q.reshape(kv_heads, mask.rows, d), (0, 0, 0, mask.padded - mask.rows))
+    kb = keys.view(kv_heads, mask.blocks, -1, d)
+    vb = values.view(kv_heads, mask.blocks, -1, d)
+    scores = torch.add(mask.bias, torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2)), alpha=d ** -0.5)
+    block_max = scores.amax(-1)                                           # [Hkv, blocks, padded]
+    p = torch.exp(scores.sub_(block_max.unsqueeze(-1)))
     block_sum = p.sum(-1)
-    block_out = torch.matmul(p, vb)                                                       # [Hkv, nb, prows, d]
-    row_max = block_max.amax(1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weight = torch.exp(block_max - row_max)                                               # 0 for masked blocks
-    total = torch.cumsum(weight * block_sum, dim=1)[:, -1]                                # fixed order
-    out = torch.cumsum(weight.unsqueeze(-1) * block_out, dim=1)[:, -1]                    # [Hkv, prows, d]
-    out = out[:, :rows] / total[:, :rows].unsqueeze(-1)
-    return out.reshape(kv_heads, group, n, d).reshape(heads, n, d)
+    block_out = torch.matmul(p, vb)                                       # [Hkv, blocks, padded, d]
+    weight = torch.exp(block_max - block_max.amax(1, keepdim=True))       # 0 for fully masked blocks
+    total = torch.cumsum(weight * block_sum, dim=1)[:, -1, : mask.rows]   # fixed, sequential order
+    out = torch.cumsum(weight.unsqueeze(-1) * block_out, dim=1)[:, -1, : mask.rows]
+    return (out / total.unsqueeze(-1)).reshape(heads, n, d)

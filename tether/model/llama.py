@@ -16,7 +16,7 @@ from torch import nn
 from tether import settings
 from tether.kv.cache import KVCache
 from tether.model.config import ModelConfig
-from tether.model.invariant import block_attention, pad_rows, padded_rows
+from tether.model.invariant import BlockMask, block_attention, pad_rows, padded_rows
 
 
 @dataclass
@@ -26,6 +26,7 @@ class SlotRows:
     kv: KVCache
     start: int      # position of the slot's first row
     length: int     # number of rows
+    mask: BlockMask | None = None   # set by ModelSlice.forward when batch invariance is on
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: list[SlotRows], layer: int, invariant: bool) -> torch.Tensor:
+                slots: list[SlotRows], layer: int) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -88,9 +89,9 @@ class Attention(nn.Module):
             rows = slice(row, row + s.length)
             s.kv.write(layer, s.start, k[:, rows], v[:, rows])
             total = s.start + s.length
-            if invariant:
+            if s.mask is not None:
                 keys, values = s.kv.blocks(layer, total)
-                out[:, rows] = block_attention(q[:, rows], keys, values, s.start, s.kv.block)
+                out[:, rows] = block_attention(q[:, rows], keys, values, s.mask)
             else:
                 keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
                 mask = None
@@ -122,8 +123,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, layer, invariant):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer, invariant)
+    def forward(self, x, cos, sin, slots, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,12 +173,15 @@ class ModelSlice(nn.Module):
         """
         rows = inputs.shape[0]
         prows = padded_rows(rows) if self.batch_invariant else rows
+        group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        for s in slots:   # built once per step, shared by every layer
+            s.mask = BlockMask.build(s.start, s.length, group, s.kv.block) if self.batch_invariant else None
         x = self.embed_tokens(pad_rows(inputs, prows)) if self.has_embedding else pad_rows(inputs.to(self.dtype), prows)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
         cos, sin = self.rotary.cos_sin(pad_rows(positions, prows), self.dtype)
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # broadcast over heads
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, i, self.batch_invariant)
+            x = layer(x, cos, sin, slots, i)
         return x[:rows]
 
     @torch.inference_mode()
