@@ -30,8 +30,10 @@ READINESS_POLL_S = 1.0         # how often admission asks its coordinator whethe
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch
 MAX_BATCH_TOKENS = 2048     # rows per micro-batch (prefill tokens count one row each)
-FRAME_TIMEOUT_S = 30.0      # a micro-batch not answered within this fails the pipeline, never hangs
+FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
+RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail
+MAX_REBUILDS = 5            # replays of one request's state before it fails with ABORTED
 
 # Stage workers.
 KV_CAPACITY_TOKENS = 262_144   # per stage, over all requests

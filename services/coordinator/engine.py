@@ -1,12 +1,23 @@
-"""The engine loop: feeds micro-batches into the pipeline, checks every echoed stamp, appends tokens,
-and fails requests explicitly when the pipeline breaks. One engine per pipeline, one asyncio task each."""
+"""The engine loop: feeds micro-batches into the pipeline, checks every echoed stamp, appends tokens, and
+recovers a request's state when anything goes wrong (docs/PROTOCOL.md "Recovery").
+
+- A rejected slot, a wrong echo or a missing result: the request is rebuilt (new request epoch, whole
+  context replayed from position 0).
+- A frame unanswered for `frame_timeout_s`: its requests are synced (SyncState on every stage) and resumed
+  where every stage agrees with the coordinator's record, else rebuilt.
+- A broken pipeline (stream failed, stage died): the engine re-handshakes until the route is back, syncs
+  every active request and continues; requests fail with UNAVAILABLE only after `recovery_window_s`.
+Tokens already sent to a client never change: a rebuild replays them as context, and sampling is keyed
+by (seed, position), so generation continues exactly where it was.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -18,7 +29,6 @@ from tether.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 R = stage_pb2.RejectReason
-MAX_RETRIES = 3   # rebuilds of one request's state after rejected frames before it fails
 
 
 @dataclass
@@ -32,23 +42,29 @@ class Counters:
     tokens: int = 0
     finished: int = 0
     failed: int = 0
-    rejected_slots: int = 0
     rebuilds: int = 0
+    resumes: int = 0
+    recovered: int = 0
+    reconnects: int = 0
+    rejections: Counter = field(default_factory=Counter)   # reason name -> slots
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, hash_seed_for, max_slots: int = settings.MAX_BATCH_SLOTS,
-                 max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S):
+    def __init__(self, pipeline: Pipeline, max_slots: int = settings.MAX_BATCH_SLOTS,
+                 max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
+                 recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS):
         self.pipeline = pipeline
-        self.hash_seed_for = hash_seed_for          # tenant -> chain salt
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
         self.frame_timeout_s = frame_timeout_s
+        self.recovery_window_s = recovery_window_s
+        self.max_rebuilds = max_rebuilds
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
         self.to_release: list[str] = []
         self.wake = asyncio.Event()
         self.serving = False
         self.status = "connecting"
+        self.down_since: float | None = None          # set while recovering in-flight requests
         self.counters = Counters()
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -69,6 +85,9 @@ class Engine:
         self._finish(req, None)
         return True
 
+    def active(self) -> list[Request]:
+        return [*self.sched.running.values(), *self.sched.waiting]
+
     def _finish(self, req: Request, failure: Failure | None) -> None:
         started = req.id in self.sched.running
         self.sched.remove(req)
@@ -87,32 +106,50 @@ class Engine:
             try:
                 await self.pipeline.connect()
             except PipelineDown as e:
-                self._down(str(e))
+                self._unavailable(str(e))
                 await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
                 continue
             self.serving, self.status = True, "serving"
             log.info("pipeline serving: %s", ", ".join(
                 f"{s.address}[{s.layer_start},{s.layer_end})" for s in self.pipeline.stages))
             try:
+                if self.down_since is not None:
+                    self.down_since = None
+                    self.counters.reconnects += 1
+                    await self._resync([r for r in self.sched.running.values() if not r.done])
                 async with asyncio.TaskGroup() as tg:   # one failing task cancels the others
                     tg.create_task(self._feed())
                     tg.create_task(self._receive())
                     tg.create_task(self._watchdog())
             except* PipelineDown as eg:
-                self._down(str(eg.exceptions[0]))
+                self._broken(str(eg.exceptions[0]))
             self.pipeline.close_stream()
             await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
 
-    def _down(self, why: str) -> None:
-        """Fail everything in flight or queued with UNAVAILABLE: recovery of in-flight state is not promised."""
-        if self.serving or self.status != why:
-            log.warning("pipeline down: %s", why)
-        self.serving, self.status = False, why
-        for req in [*self.sched.running.values(), *self.sched.waiting]:
-            req.in_flight = False
-            self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"pipeline failed during generation: {why}"))
+    def _broken(self, why: str) -> None:
+        """The stream broke: keep requests, forget frames in flight (their outcome is unknown until a sync)."""
+        log.warning("pipeline broken, recovering: %s", why)
+        self.serving, self.status = False, f"recovering: {why}"
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+        for _, batch in self.frames.values():
+            for req in batch:
+                req.in_flight = False
         self.frames.clear()
         self.sched.frames_in_flight = 0
+
+    def _unavailable(self, why: str) -> None:
+        """No pipeline: fail queued work at once, in-flight work once the recovery window has passed."""
+        if self.serving or self.status != why:
+            log.warning("pipeline down: %s", why)
+        self.serving = False
+        self.status = why if self.down_since is None else f"recovering: {why}"
+        expired = self.down_since is None or time.monotonic() - self.down_since > self.recovery_window_s
+        for req in list(self.sched.waiting) + (list(self.sched.running.values()) if expired else []):
+            req.in_flight = False
+            self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"pipeline failed during generation: {why}"))
+        if expired:
+            self.down_since = None
 
     async def _feed(self) -> None:
         while True:
@@ -124,20 +161,20 @@ class Engine:
             while batch := self.sched.next_batch():
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=True,
                                         hash_seed=r.seq.hash_seed) for r in batch]
-                seq = await self.pipeline.send(slots)
-                self.frames[seq] = (time.monotonic(), batch)
+                self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
+                await self.pipeline.send(slots)
 
     async def _receive(self) -> None:
         async for reply in self.pipeline.replies():
             entry = self.frames.pop(reply.stream_seq, None)
             if entry is None:
-                log.warning("reply to unknown frame %d ignored", reply.stream_seq)
+                log.warning("reply to unknown or expired frame %d ignored", reply.stream_seq)
                 continue
             self.sched.frame_done()
             _, batch = entry
-            by_id = {}
+            by_id: dict[str, stage_pb2.SlotResult] = {}
             for res in reply.results:
-                by_id.setdefault(res.stamp.request_id, res)
+                by_id.setdefault(res.stamp.request_id, res)   # a duplicate result never overrides the first
             for req in batch:
                 self._settle(req, by_id.get(req.id))
             self.wake.set()
@@ -148,41 +185,77 @@ class Engine:
             req.in_flight = False
             self.to_release.append(req.id)
             return
-        if res is None or not req.echo_matches(res.stamp) or (res.ok and not res.has_token):
-            why = "no result" if res is None else "echo does not match the stamp sent" if res.ok else ""
-            self._reject(req, R.BAD_FRAME if res is None or res.ok else res.reason, why or res.detail,
-                         -1 if res is None else res.stage_index)
-            return
-        if not res.ok:
-            self._reject(req, res.reason, res.detail, res.stage_index)
-            return
-        req.confirm()
-        out: TokenOut = req.seq.append(res.token_id)
-        self.counters.tokens += 1
-        q = self.sinks.get(req.id)
-        if q is not None:
-            q.put_nowait(out)
-        if out.finish_reason:
-            self.counters.finished += 1
-            self._finish(req, None)
+        if res is None:
+            self._rebuild(req, "FRAME_LOST", "no result for the slot")
+        elif not req.echo_matches(res.stamp):
+            self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
+        elif not res.ok:
+            self._rebuild(req, R.Name(res.reason), f"stage {res.stage_index}: {res.detail}")
+        elif not res.has_token:
+            self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
+        else:
+            req.confirm()
+            out: TokenOut = req.seq.append(res.token_id)
+            self.counters.tokens += 1
+            q = self.sinks.get(req.id)
+            if q is not None:
+                q.put_nowait(out)
+            if out.finish_reason:
+                self.counters.finished += 1
+                if req.retries or req.resumed:
+                    self.counters.recovered += 1
+                self._finish(req, None)
 
-    def _reject(self, req: Request, reason: int, detail: str, stage: int) -> None:
-        self.counters.rejected_slots += 1
-        name = stage_pb2.RejectReason.Name(reason)
-        log.warning("request %s rejected at stage %d: %s %s", req.id, stage, name, detail)
-        if req.retries >= MAX_RETRIES:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == R.NO_CAPACITY else grpc.StatusCode.ABORTED
-            req.in_flight = False
-            self._finish(req, Failure(code, f"request state could not be verified after {req.retries} rebuilds: "
-                                            f"stage {stage} rejected it ({name}: {detail})"))
+    def _rebuild(self, req: Request, reason: str, detail: str) -> None:
+        """Replay the request's whole context under a new epoch, within its budget; else fail it explicitly."""
+        self.counters.rejections[reason] += 1
+        log.info("request %s: %s (%s)", req.id, reason, detail)
+        req.in_flight = False
+        if req.retries >= self.max_rebuilds:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "NO_CAPACITY" else grpc.StatusCode.ABORTED
+            self._finish(req, Failure(code, f"request state could not be verified after {req.retries} "
+                                            f"rebuilds; last: {reason}: {detail}"))
             return
         self.counters.rebuilds += 1
-        req.rebuild()   # replay the whole context under a new epoch; tokens already sent stay as they are
+        req.rebuild()   # tokens already sent stay as they are: they are replayed as context
+
+    async def _resync(self, reqs: list[Request]) -> None:
+        """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
+        reqs = [r for r in reqs if r.fed > 0 and not r.done]
+        if not reqs:
+            return
+        held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
+        for req in reqs:
+            states = [h.get(req.id) for h in held]
+            if all(s is not None and s.held and s.epoch == req.epoch and s.length == req.fed
+                   and s.context_hash == req.fed_hash.value for s in states):
+                req.in_flight = False
+                req.sent = None
+                req.resumed = True
+                self.counters.resumes += 1
+            else:
+                why = ", ".join(f"stage {i}: " + ("nothing" if s is None or not s.held else
+                                                  f"epoch {s.epoch} length {s.length}")
+                                for i, s in enumerate(states))
+                self._rebuild(req, "STATE_LOST", f"stages hold {why}; coordinator has {req.fed} tokens")
+        self.wake.set()
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(min(1.0, self.frame_timeout_s / 4))
             now = time.monotonic()
             late = [seq for seq, (t, _) in self.frames.items() if now - t > self.frame_timeout_s]
-            if late:
-                raise PipelineDown(f"frame {late[0]} unanswered for {self.frame_timeout_s:.0f}s")
+            lost: list[Request] = []
+            for seq in late:
+                _, batch = self.frames.pop(seq)
+                self.sched.frame_done()
+                self.counters.rejections["FRAME_LOST"] += 1
+                lost.extend(r for r in batch if not r.done)
+                for r in batch:
+                    if r.done:
+                        r.in_flight = False
+                        self.to_release.append(r.id)
+            if lost:
+                log.warning("%d frame(s) unanswered for %.1fs: syncing %d request(s)", len(late),
+                            self.frame_timeout_s, len(lost))
+                await self._resync(lost)

@@ -12,7 +12,6 @@ from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, settings
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
-from tether.protocol.hashing import hash_seed
 from tether.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
@@ -36,7 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=settings.MAX_BATCH_TOKENS,
                    help="rows per micro-batch; a longer prompt still goes alone (default: %(default)s)")
     p.add_argument("--frame-timeout", type=float, default=settings.FRAME_TIMEOUT_S,
-                   help="seconds before an unanswered micro-batch fails the pipeline (default: %(default)s)")
+                   help="seconds before an unanswered micro-batch counts as lost; its requests are synced with "
+                        "the stages and resumed or replayed (default: %(default)s)")
+    p.add_argument("--recovery-window", type=float, default=settings.RECOVERY_WINDOW_S,
+                   help="seconds in-flight requests wait for a broken pipeline (e.g. a restarting stage) to "
+                        "come back before failing with UNAVAILABLE (default: %(default)s)")
+    p.add_argument("--max-rebuilds", type=int, default=settings.MAX_REBUILDS,
+                   help="times one request's state may be replayed after integrity failures before it fails "
+                        "with ABORTED (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
@@ -47,8 +53,8 @@ async def serve(args: argparse.Namespace) -> None:
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
     pipeline = Pipeline(addresses, fingerprint, args.dtype)
-    engine = Engine(pipeline, lambda tenant: hash_seed(fingerprint, tenant), args.max_batch_slots,
-                    args.max_batch_tokens, args.frame_timeout)
+    engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
+                    args.recovery_window, args.max_rebuilds)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint), server.server)

@@ -74,6 +74,18 @@ class Pipeline:
             raise PipelineDown(f"pipeline stream failed: {e.code().name}: {e.details()}") from None
         raise PipelineDown("pipeline stream ended")
 
+    async def sync(self, request_ids: list[str]) -> list[dict[str, stage_pb2.HeldState]]:
+        """What every stage holds for these requests, in route order."""
+        req = stage_pb2.SyncRequest(request_ids=request_ids)
+        out = []
+        for a in self.addresses:
+            try:
+                reply = await stage_pb2_grpc.StageStub(self.channels[a]).SyncState(req, timeout=10)
+            except grpc.aio.AioRpcError as e:
+                raise PipelineDown(f"SyncState on {a} failed: {e.code().name} {e.details()}") from None
+            out.append({s.request_id: s for s in reply.states})
+        return out
+
     def close_stream(self) -> None:
         if self.call is not None:
             self.call.cancel()

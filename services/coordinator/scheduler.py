@@ -26,7 +26,8 @@ class Request:
     fed: int = 0                       # context tokens the stages hold, confirmed by an echoed stamp
     fed_hash: ContextHasher = None     # type: ignore[assignment]  # chain over those tokens
     in_flight: bool = False
-    retries: int = 0
+    retries: int = 0                   # rebuilds so far
+    resumed: bool = False              # resumed after a sync at least once
     done: bool = False                 # finished, failed or cancelled: never scheduled again
     sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
 

@@ -78,5 +78,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.StatsReply(
             serving=e.serving, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
             running=len(e.sched.running), waiting=len(e.sched.waiting), tokens_generated=c.tokens,
-            requests_finished=c.finished, requests_failed=c.failed, slots_rejected=c.rejected_slots,
-            pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings)
+            requests_finished=c.finished, requests_failed=c.failed, slots_rejected=sum(c.rejections.values()),
+            pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings,
+            rejections=dict(c.rejections), rebuilds=c.rebuilds, resumes=c.resumes, recovered=c.recovered,
+            pipeline_reconnects=c.reconnects, stamp_checks=True)
