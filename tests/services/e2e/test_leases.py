@@ -1,0 +1,59 @@
+"""A dead coordinator leaks nothing: stages free idle state after their lease; a restarted coordinator serves
+again and the requests it lost fail explicitly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from tether.cli.cluster import LocalCluster
+from tether.client import Client, TetherError
+from tether.v1 import stage_pb2, stage_pb2_grpc
+
+
+def _held(cluster, rid: str) -> list[bool]:
+    out = []
+    for name in ("stage0", "stage1"):
+        with grpc.insecure_channel(cluster.service(name).address) as ch:
+            reply = stage_pb2_grpc.StageStub(ch).SyncState(stage_pb2.SyncRequest(request_ids=[rid]), timeout=5)
+            out.append(reply.states[0].held)
+    return out
+
+
+def test_coordinator_killed_mid_generation(tmp_path):
+    lease = 2.0
+    cluster = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path,
+                           extra={"stage": ["--lease", str(lease)]}).start(timeout=180)
+    try:
+        rid = "lease-test-1"
+        first = threading.Event()
+        error: list[BaseException] = []
+
+        def run() -> None:
+            with Client(cluster.target, timeout=60) as client:
+                try:
+                    for _ in client.stream("keep going", max_tokens=2000, ignore_eos=True, request_id=rid):
+                        first.set()
+                except TetherError as e:
+                    error.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert first.wait(60)
+        assert all(_held(cluster, rid))
+        cluster.kill("coordinator")                      # no Release will ever come
+        t.join(timeout=60)
+        assert not t.is_alive() and error and error[0].code == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + lease + 15
+        while any(_held(cluster, rid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_held(cluster, rid)), "state outlived its lease"
+
+        cluster.restart("coordinator")                   # a new coordinator: new handshake, serves again
+        cluster.wait_ready(120)
+        with Client(cluster.target, timeout=60) as client:
+            assert len(client.generate("hello again", max_tokens=4).token_ids) >= 1
+    finally:
+        cluster.stop()
