@@ -1,0 +1,50 @@
+"""The handshake refusals a stage gives, one rule at a time (no processes: the rule is pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.stage_worker.server import StageServicer
+from services.stage_worker.worker import StageWorker
+from tether import settings
+from tether.model.loader import load_slice, model_fingerprint, resolve_model
+from tether.v1 import stage_pb2
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return resolve_model("tiny")
+
+
+def servicer(folder, start: int, end: int) -> StageServicer:
+    worker = StageWorker(load_slice(folder, start, end), 0, 1024)
+    return StageServicer(worker, model_fingerprint(folder), "127.0.0.1:1", 1024)
+
+
+def request(folder, index: int, stages: int, prev_end: int, **over) -> stage_pb2.HandshakeRequest:
+    req = stage_pb2.HandshakeRequest(protocol_version=settings.PROTOCOL_VERSION,
+                                     model_fingerprint=model_fingerprint(folder),
+                                     route=[stage_pb2.RouteEntry(address=f"127.0.0.1:{i + 1}") for i in range(stages)],
+                                     index=index, prev_layer_end=prev_end, pipeline_epoch=7, dtype="float32")
+    for k, v in over.items():
+        setattr(req, k, v)
+    return req
+
+
+def test_a_matching_stage_accepts(folder):
+    assert servicer(folder, 2, 4)._refusal(request(folder, 1, 2, 2)) is None
+
+
+@pytest.mark.parametrize("start,end,index,stages,prev,over,words", [
+    (2, 4, 1, 2, 2, {"protocol_version": settings.PROTOCOL_VERSION + 1}, "protocol"),
+    (2, 4, 1, 2, 2, {"model_fingerprint": "0123456789abcdef"}, "expects 0123456789abcdef"),
+    (2, 4, 1, 2, 2, {"dtype": "bfloat16"}, "bfloat16"),
+    (3, 4, 1, 2, 2, {}, "gap"),
+    (1, 4, 1, 2, 2, {}, "overlap"),
+    (2, 3, 1, 2, 2, {}, "lacks the head"),
+    (0, 4, 0, 2, 0, {}, "follow it"),
+    (2, 4, 5, 2, 2, {}, "not in the route"),
+])
+def test_each_refusal_names_the_stage_and_the_reason(folder, start, end, index, stages, prev, over, words):
+    why = servicer(folder, start, end)._refusal(request(folder, index, stages, prev, **over))
+    assert why is not None and words in why and f"stage {index}" in why
