@@ -51,3 +51,12 @@ GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024
 
 # Where generated preset models live (override with TETHER_HOME).
 TETHER_HOME_ENV = "TETHER_HOME"
+
+# Hostile input on the stage protocol (docs/PROTOCOL.md): a stage serves at most this many Forward streams at
+# once (RESOURCE_EXHAUSTED beyond) and closes a stream with no frame in and no reply out for STREAM_IDLE_S
+# (DEADLINE_EXCEEDED). A coordinator whose pipeline sits idle longer sees its stream closed and reopens it.
+MAX_FORWARD_STREAMS = 8
+STREAM_IDLE_S = 60.0
+
+# Fault injection (tether/faults.py): off unless a spec is given by --faults or this environment variable.
+FAULTS_ENV = "TETHER_FAULTS"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 import torch
 
 from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import StageWorker
 from tether import grpcutil, settings
+from tether.faults import KINDS, FaultConfig, FaultInjector
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
 
@@ -36,6 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV budget in tokens over all requests (default: %(default)s)")
     p.add_argument("--lease", type=float, default=settings.KV_LEASE_S,
                    help="free a request's state after this many idle seconds (default: %(default)s)")
+    p.add_argument("--max-streams", type=int, default=settings.MAX_FORWARD_STREAMS,
+                   help="Forward streams served at once; more are refused with RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    p.add_argument("--stream-idle", type=float, default=settings.STREAM_IDLE_S, metavar="SECONDS",
+                   help="close a Forward stream with no frame in and no reply out for this long "
+                        "(default: %(default)s)")
+    p.add_argument("--faults", default=os.environ.get(settings.FAULTS_ENV, ""), metavar="SPEC",
+                   help="inject faults into this stage's traffic, e.g. 'drop=0.02,corrupt=0.05,delay=0.1,"
+                        f"delay_ms=50,seed=7'; kinds: {', '.join(KINDS)} (rates are probabilities per frame). "
+                        f"Default: ${settings.FAULTS_ENV}, off when empty. For chaos tests only")
+    p.add_argument("--unsafe-disable-stamp-checks", action="store_true",
+                   help="EXPERIMENT ONLY, NEVER IN SERVING: skip the payload digest, stream sequence and per-slot "
+                        "stamp / KV-tag checks, so that frames run on whatever state this stage holds. It exists "
+                        "only to reproduce the wrong answers those checks prevent (run it with --faults)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
@@ -48,8 +64,11 @@ async def serve(args: argparse.Namespace) -> None:
     fingerprint = model_fingerprint(folder)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"])
     address = f"{args.host}:{server.port}"
-    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype)
-    servicer = StageServicer(worker, fingerprint, address, args.kv_capacity, args.lease)
+    checks = not args.unsafe_disable_stamp_checks
+    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype, stamp_checks=checks)
+    faults = FaultInjector(args.fault_config)
+    servicer = StageServicer(worker, fingerprint, address, args.kv_capacity, args.lease, faults=faults,
+                             stream_idle_s=args.stream_idle, max_streams=args.max_streams)
     from tether.v1 import stage_pb2_grpc
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     await server.start()
@@ -64,8 +83,23 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.fault_config = FaultConfig.parse(args.faults)
+    except ValueError as e:
+        parser.error(f"--faults: {e}")
+    if args.max_streams < 1 or args.stream_idle <= 0:
+        parser.error("--max-streams must be >= 1 and --stream-idle > 0")
     grpcutil.configure_logging("stage", args.log_level)
+    if args.unsafe_disable_stamp_checks:
+        log.warning("!" * 100)
+        log.warning("STAMP CHECKS ARE DISABLED (--unsafe-disable-stamp-checks). This stage will run frames on "
+                    "whatever state it holds and CAN RETURN ANOTHER REQUEST'S OR GARBLED TOKENS. Experiment "
+                    "only: never serve traffic like this.")
+        log.warning("!" * 100)
+    if args.fault_config.enabled:
+        log.warning("fault injection ON: %s", args.fault_config.spec())
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -1,41 +1,61 @@
-"""The Stage gRPC service: handshake down the chain, Forward with relay, SyncState, Release, leases.
+"""The Stage gRPC service: handshake down the chain, Forward with relay, SyncState, Release, Stats, leases.
 
 Each upstream Forward stream gets its own downstream stream to the next stage; replies from downstream are
 merged with this stage's own rejections and relayed upstream, so results reach the coordinator on the
 stream it opened. A broken downstream aborts the upstream stream with UNAVAILABLE: nothing hangs.
+
+Hostile input (docs/PROTOCOL.md): at most `max_streams` Forward streams at once (RESOURCE_EXHAUSTED
+beyond), a stream with no frame in and no reply out for `stream_idle_s` is closed (DEADLINE_EXCEEDED), an
+undecodable frame ends its stream with INVALID_ARGUMENT, gRPC itself refuses messages over
+settings.GRPC_MAX_MESSAGE_BYTES (RESOURCE_EXHAUSTED), and a bounded reply queue plus HTTP/2 flow control
+bound a stream's memory when its client stops reading.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.stage_worker.worker import StageWorker, StepOutcome
 from tether import grpcutil, settings
+from tether.faults import FaultInjector, HeldFrames
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 R = stage_pb2.RejectReason
 _DONE = object()
+_OUT_BUFFER = 64   # replies queued per stream before the stream stops reading frames (backpressure)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, fingerprint: str, address: str, kv_capacity: int,
-                 lease_s: float = settings.KV_LEASE_S) -> None:
+                 lease_s: float = settings.KV_LEASE_S, faults: FaultInjector | None = None,
+                 stream_idle_s: float = settings.STREAM_IDLE_S,
+                 max_streams: int = settings.MAX_FORWARD_STREAMS) -> None:
         self.worker = worker
         self.model = worker.model
         self.fingerprint = fingerprint
         self.address = address
         self.kv_capacity = kv_capacity
         self.lease_s = lease_s
+        self.stream_idle_s = stream_idle_s
+        self.max_streams = max_streams
+        self.open_streams = 0
+        self.faults = _StageFaults(faults) if faults is not None and faults.enabled else None
         self.pipeline_epoch: int | None = None
         self.next_address: str | None = None
         self.next_channel: grpc.aio.Channel | None = None
         # One thread: the model and KV state are touched by one step at a time, in frame order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
+
+    @property
+    def who(self) -> str:
+        return f"stage {self.worker.index} ({self.address})"
 
     # --- handshake ------------------------------------------------------------------------------------
     def info(self) -> stage_pb2.StageInfo:
@@ -103,23 +123,50 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Forward(self, request_iterator, context):
         if self.pipeline_epoch is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no handshake yet: stage is not part of a pipeline")
-        out: asyncio.Queue = asyncio.Queue()
-        relay = _Relay(self, out)
-        pump = asyncio.create_task(relay.pump(request_iterator))
+        if self.open_streams >= self.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.who} already has {self.open_streams} Forward streams open (limit "
+                                f"{self.max_streams}); close one before opening another")
+        self.open_streams += 1
+        relay = _Relay(self, context, asyncio.current_task())
+        tasks = [asyncio.create_task(relay.pump(request_iterator)), asyncio.create_task(relay.watch_idle())]
         try:
             while True:
-                item = await out.get()
+                item = await relay.out.get()
                 if item is _DONE:
                     return
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                yield item
+                try:
+                    await context.write(item)
+                except Exception as e:   # the client left mid-write (cancelled, connection lost)
+                    log.debug("Forward stream ended while writing a reply: %r", e)
+                    return
+                relay.touch()
         finally:
-            pump.cancel()
+            self.open_streams -= 1
+            for t in tasks:
+                t.cancel()
             await relay.close()
+
+    def step(self, frame: stage_pb2.Frame, forget: str | None) -> StepOutcome:
+        """On the step thread: apply an injected forget_kv, then process the frame."""
+        if forget is not None:
+            self.worker.state.release([forget])
+        return self.worker.process(frame)
 
     async def SyncState(self, request, context):
         return stage_pb2.SyncReply(states=[self.worker.state.held(r) for r in request.request_ids])
+
+    async def Stats(self, request, context):
+        faults = dict(self.faults.injector.counts) if self.faults is not None else {}
+        streams = self.open_streams
+
+        def snapshot() -> stage_pb2.StageStats:   # on the step thread: no step mutates what we read
+            w = self.worker
+            return stage_pb2.StageStats(
+                faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
+                kv_used_tokens=w.pool.used_tokens, kv_capacity_tokens=w.pool.capacity_tokens,
+                stamp_checks=w.stamp_checks, forward_streams=streams)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 
     async def Release(self, request, context):
         n = await asyncio.get_running_loop().run_in_executor(
@@ -135,42 +182,133 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 log.info("lease expired: freed %d idle request(s)", len(stale))
 
 
+class _StageFaults:
+    """Where a stage applies its fault injector (tether/faults.py): on a frame's arrival (crash, forget_kv),
+    on each frame it forwards (delay, drop, duplicate, reorder, corrupt, swap_slots, cross_ids) and on each
+    reply it answers itself rather than relays (cross_ids, corrupt: on the last stage, the sampled tokens)."""
+
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+
+    def on_arrival(self) -> None:
+        if self.injector.crash():
+            log.critical("fault injection: crashing now (exit 137)")
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os._exit(137)
+
+    def forget(self, frame: stage_pb2.Frame) -> str | None:
+        rid = self.injector.forget(frame)
+        if rid is not None:
+            log.info("fault injection: forgetting the state of %s", rid)
+        return rid
+
+    async def send(self, relay: _Relay, frame: stage_pb2.Frame) -> None:
+        delay = self.injector.delay_s()
+        if delay:
+            await asyncio.sleep(delay)
+        for f in self.injector.outbound(frame, relay.held):
+            await relay.write_down(f)
+        if relay.held and relay.flush_task is None:
+            relay.flush_task = asyncio.create_task(self._flush_later(relay))
+        elif not relay.held and relay.flush_task is not None:
+            relay.flush_task.cancel()   # still asleep: the held frame went out behind this one
+            relay.flush_task = None
+
+    async def _flush_later(self, relay: _Relay) -> None:
+        """A held (reorder) frame whose successor did not come in time goes out alone, late."""
+        await asyncio.sleep(self.injector.config.hold_s)
+        relay.flush_task = None       # from here on, not cancellable by `send`: the frames are taken
+        try:
+            for f in self.injector.flush(relay.held):
+                await relay.write_down(f)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            pass  # the downstream broke: the reader reports it
+
+    def reply(self, reply: stage_pb2.FrameReply) -> stage_pb2.FrameReply:
+        return self.injector.reply(reply)
+
+
 class _Relay:
     """One upstream stream: check and run frames in order, forward downstream, merge replies back up."""
 
-    def __init__(self, svc: StageServicer, out: asyncio.Queue) -> None:
+    def __init__(self, svc: StageServicer, context, handler: asyncio.Task) -> None:
         self.svc = svc
-        self.out = out
+        self.context = context
+        self.handler = handler          # the Forward handler's task (cancelled when the stream fails)
+        self.out: asyncio.Queue = asyncio.Queue(maxsize=_OUT_BUFFER)
         self.last_seq = 0
         self.down_seq = 0
         self.pending: dict[int, tuple[int, list]] = {}   # downstream seq -> (upstream seq, own results)
         self.down_call = None
         self.down_reader: asyncio.Task | None = None
+        self.write_lock = asyncio.Lock()                  # the pump and a reorder flush both write downstream
+        self.held = HeldFrames()                          # this stream's reorder buffer (fault injection)
+        self.flush_task: asyncio.Task | None = None
+        self.failed = False
+        self.last_activity = asyncio.get_running_loop().time()
+
+    def touch(self) -> None:
+        self.last_activity = asyncio.get_running_loop().time()
+
+    async def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End the upstream stream with a status, from whichever task noticed; the handler is cancelled so it
+        stops waiting (it may be blocked on a client that no longer reads)."""
+        if self.failed:
+            return
+        self.failed = True
+        try:
+            await self.context.abort(code, details)
+        except Exception:   # abort() raises to unwind its caller; here the caller is not the handler
+            pass
+        self.handler.cancel()
+
+    async def watch_idle(self) -> None:
+        """Close the stream once nothing has come in or gone out for stream_idle_s (a client that opened a
+        stream and went quiet must not hold a stream slot and its relay forever)."""
+        idle_s = self.svc.stream_idle_s
+        loop = asyncio.get_running_loop()
+        while (left := self.last_activity + idle_s - loop.time()) > 0:
+            await asyncio.sleep(left)
+        await self.fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{self.svc.who}: Forward stream idle for {idle_s:g} s (no frame in, no reply out): closed")
 
     async def pump(self, request_iterator) -> None:
         loop = asyncio.get_running_loop()
+        faults = self.svc.faults
         try:
             async for frame in request_iterator:
+                self.touch()
+                if faults is not None:
+                    faults.on_arrival()
                 outcome = self._frame_checks(frame)
                 if outcome is None:
-                    outcome = await loop.run_in_executor(self.svc.executor, self.svc.worker.process, frame)
+                    forget = faults.forget(frame) if faults is not None else None
+                    outcome = await loop.run_in_executor(self.svc.executor, self.svc.step, frame, forget)
                 await self._route(frame.stream_seq, outcome)
             if self.down_call is not None:
+                for f in self.held.take():   # the stream ends: a frame held for reorder goes now
+                    await self.write_down(f)
                 await self.down_call.done_writing()
                 await self.down_reader
             await self.out.put(_DONE)
         except asyncio.CancelledError:
             raise
+        except DecodeError as e:   # grpc.aio hands the handler the parse error of an undecodable message
+            await self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"{self.svc.who}: malformed Frame: {e}")
         except grpc.aio.AioRpcError as e:
-            await self.out.put(ConnectionError(f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}"))
+            await self.fail(grpc.StatusCode.UNAVAILABLE,
+                            f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}")
         except Exception as e:  # a bug or a torch error: fail the stream loudly rather than answer wrongly
+            if self.failed:
+                return   # the stream was already ended (idle, downstream): its read or write fails now
             log.exception("stage step failed")
-            await self.out.put(RuntimeError(f"stage {self.svc.worker.index} failed: {e}"))
+            await self.fail(grpc.StatusCode.UNAVAILABLE, f"stage {self.svc.worker.index} failed: {e}")
 
     def _frame_checks(self, frame) -> StepOutcome | None:
         """Frame-level checks of the stream (sequence, pipeline epoch)."""
         w = self.svc.worker
-        seq_ok = frame.stream_seq == self.last_seq + 1
+        seq_ok = frame.stream_seq == self.last_seq + 1 or not w.stamp_checks   # unsafe experiment: trust order
         self.last_seq = max(self.last_seq, frame.stream_seq)
         if not seq_ok:
             return w.reject_all(frame, R.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")
@@ -180,21 +318,29 @@ class _Relay:
 
     async def _route(self, seq: int, outcome: StepOutcome) -> None:
         if outcome.forward is None:
-            await self.out.put(stage_pb2.FrameReply(stream_seq=seq, results=outcome.results))
+            reply = stage_pb2.FrameReply(stream_seq=seq, results=outcome.results)
+            await self.out.put(self.svc.faults.reply(reply) if self.svc.faults is not None else reply)
             return
         if self.down_call is None:
             if self.svc.next_channel is None:
                 raise RuntimeError("no next stage configured")
             self.down_call = stage_pb2_grpc.StageStub(self.svc.next_channel).Forward()
-            self.down_reader = asyncio.create_task(self._read_down())
+            self.down_reader = asyncio.create_task(self._read_down(self.down_call))
         self.down_seq += 1
-        outcome.forward.stream_seq = self.down_seq
+        outcome.forward.stream_seq = self.down_seq   # before any fault: a duplicate or reorder shows in the seq
         self.pending[self.down_seq] = (seq, outcome.results)
-        await self.down_call.write(outcome.forward)
+        if self.svc.faults is not None:
+            await self.svc.faults.send(self, outcome.forward)
+        else:
+            await self.write_down(outcome.forward)
 
-    async def _read_down(self) -> None:
+    async def write_down(self, frame: stage_pb2.Frame) -> None:
+        async with self.write_lock:
+            await self.down_call.write(frame)
+
+    async def _read_down(self, call) -> None:
         try:
-            async for reply in self.down_call:
+            async for reply in call:
                 up_seq, own = self.pending.pop(reply.stream_seq, (None, None))
                 if up_seq is None:
                     continue  # a reply to nothing we sent: drop it, the coordinator times the frame out
@@ -202,9 +348,17 @@ class _Relay:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
-            await self.out.put(ConnectionError(f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}"))
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.pending and call is self.down_call:
+                # The next stage closed our stream for idleness while nothing was in flight: not a failure,
+                # open a fresh one (from stream_seq 1) when the next frame comes.
+                self.down_call, self.down_reader, self.down_seq = None, None, 0
+                return
+            await self.fail(grpc.StatusCode.UNAVAILABLE,
+                            f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}")
 
     async def close(self) -> None:
+        if self.flush_task is not None:
+            self.flush_task.cancel()
         if self.down_reader is not None:
             self.down_reader.cancel()
         if self.down_call is not None:

@@ -53,9 +53,12 @@ class Admitted:
 class StageState:
     """All requests' state on one stage, keyed by request id."""
 
-    def __init__(self, new_kv, max_context: int) -> None:
+    def __init__(self, new_kv, max_context: int, checks: bool = True) -> None:
         self._new_kv = new_kv          # callable(owner: str) -> KVCache
         self.max_context = max_context
+        # False only under --unsafe-disable-stamp-checks: an experiment that reproduces what a pipeline
+        # without stamps does (trust the frame's position, run on whatever state is there). Never a default.
+        self.checks = checks
         self.requests: dict[str, RequestState] = {}
 
     def check(self, slot: stage_pb2.Slot) -> Admitted:
@@ -66,6 +69,8 @@ class StageState:
             raise Rejected(R.BAD_FRAME, "slot without request id or tokens")
         if st.position + n > self.max_context:
             raise Rejected(R.BAD_FRAME, f"position {st.position}+{n} exceeds the context window {self.max_context}")
+        if not self.checks:
+            return self._admit_unchecked(slot)
         held = self.requests.get(rid)
         fresh = False
         if held is not None and st.epoch < held.epoch:
@@ -90,13 +95,27 @@ class StageState:
             raise Rejected(R.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
         return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
 
+    def _admit_unchecked(self, slot: stage_pb2.Slot) -> Admitted:
+        """No checks 1, 2, 4 (experiment only): position 0 starts over, anything else runs on whatever state
+        the stage holds for that id, fresh (zero) state when it holds none. Wrong state gives wrong tokens:
+        that is what the experiment shows."""
+        st = slot.stamp
+        held = self.requests.get(st.request_id)
+        fresh = held is None or st.position == 0
+        if fresh:
+            hasher = ContextHasher(slot.hash_seed)
+            held = RequestState(st.request_id, st.epoch, hasher, self._new_kv(st.request_id), hasher.value)
+        return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
+
     def commit(self, a: Admitted) -> None:
         """The step ran: the KV now holds the slot's tokens; advance the chain and tag."""
         old = self.requests.get(a.state.request_id)
         if old is not None and old is not a.state:
             old.kv.release()
         a.state.hasher.extend(a.token_ids)
-        a.state.kv.length = a.state.hasher.length
+        # The KV holds rows 0..position+n now. With the checks on this equals the chain's length; without
+        # them (experiment) the two may differ, and the KV length is what the next step may read.
+        a.state.kv.length = a.position + len(a.token_ids)
         a.state.kv_tag = a.state.hasher.value
         a.state.last_used = time.monotonic()
         self.requests[a.state.request_id] = a.state

@@ -6,6 +6,7 @@ No gRPC here: `process` takes a Frame and returns results and the next frame, so
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -33,21 +34,37 @@ def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
                            parent_hash=stamp.parent_hash, context_hash=stamp.context_hash)
 
 
+def _zero_gap(kv, start: int, end: int) -> None:
+    """Zero KV rows start..end-1: with the checks off a slot may start past what the stage holds, and the rows
+    in between must read as zeros (wrong state, as in a pipeline without stamps), never as uninitialised
+    memory that could hold NaN."""
+    for k, v in zip(kv.k, kv.v):
+        k[:, start:end] = 0
+        v[:, start:end] = 0
+
+
 def frame_digest(frame: stage_pb2.Frame) -> int:
     return payload_digest(frame.activations.data, [s.stamp.context_hash for s in frame.slots])
 
 
 class StageWorker:
-    def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32") -> None:
+    def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32",
+                 stamp_checks: bool = True) -> None:
         self.model = model
         self.index = index
         self.dtype = dtype
         self.pool = KVPool(kv_capacity_tokens)
-        self.state = StageState(lambda owner: model.new_kv(self.pool, owner), model.cfg.max_position_embeddings)
+        # stamp_checks=False is --unsafe-disable-stamp-checks: no digest and no per-slot checks 1, 2, 4.
+        # It exists only to reproduce the wrong answers those checks prevent; never a default.
+        self.stamp_checks = stamp_checks
+        self.state = StageState(lambda owner: model.new_kv(self.pool, owner), model.cfg.max_position_embeddings,
+                                checks=stamp_checks)
         self.slots_rejected = 0
+        self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.slots_rejected += 1
+        self.rejections[R.Name(reason)] += 1
         return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False, reason=reason, detail=detail,
                                     stage_index=self.index)
 
@@ -56,7 +73,7 @@ class StageWorker:
 
     def process(self, frame: stage_pb2.Frame) -> StepOutcome:
         """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
-        if frame_digest(frame) != frame.payload_digest:
+        if self.stamp_checks and frame_digest(frame) != frame.payload_digest:
             return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
         rows = sum(len(s.stamp.token_ids) for s in frame.slots)
         hidden = None
@@ -70,6 +87,7 @@ class StageWorker:
         out = StepOutcome()
         admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
         seen: set[str] = set()
+        vocab = self.model.cfg.vocab_size
         row = 0
         for slot in frame.slots:
             n = len(slot.stamp.token_ids)
@@ -77,12 +95,18 @@ class StageWorker:
                 if slot.stamp.request_id in seen:
                     raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
                 seen.add(slot.stamp.request_id)
+                if self.model.has_embedding and n and max(slot.stamp.token_ids) >= vocab:
+                    # hashes can be consistent over any ids: this stage must not index its embedding with them
+                    raise Rejected(R.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
+                                                f"of {vocab}")
                 a = self.state.check(slot)
                 try:
                     a.state.kv.ensure(a.position + n)
                 except NoCapacity as e:
                     self.state.abandon(a)
                     raise Rejected(R.NO_CAPACITY, str(e)) from None
+                if a.position > a.state.kv.length:
+                    _zero_gap(a.state.kv, a.state.kv.length, a.position)   # only without the checks
                 admitted.append((slot, a, row))
             except Rejected as e:
                 out.results.append(self.reject(slot, e.reason, e.detail))
@@ -125,6 +149,7 @@ class StageWorker:
             if slot.sample:
                 res.has_token = True
                 res.token_id = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
+                res.token_hash = a.state.hasher.peek([res.token_id])   # committed chain + the token
                 k += 1
             results.append(res)
         return results

@@ -1,0 +1,285 @@
+"""Fault injection on the stage protocol: built into the product, off unless a spec turns it on.
+
+A spec names a probability per fault kind (per frame, or per reply for the reply-side kinds) plus a few
+parameters, e.g. ``drop=0.02,corrupt=0.05,delay=0.1,delay_ms=50,seed=7``. It comes from a service's
+``--faults`` flag or the ``TETHER_FAULTS`` environment variable. Pure logic, no gRPC, no clock: callers
+decide where the injector sits and do the sleeping, the forgetting and the dying themselves.
+
+What each kind does, and where it applies:
+
+| kind        | hook              | effect                                                                        |
+|-------------|-------------------|-------------------------------------------------------------------------------|
+| drop        | outbound          | the frame is not sent                                                         |
+| duplicate   | outbound          | the frame is sent twice (same ``stream_seq``)                                 |
+| reorder     | outbound          | the frame is held back and sent right after the next frame on that stream;   |
+|             |                   | if no next frame comes within ``hold_ms`` the caller flushes it (sent late)   |
+| delay       | delay_s           | the caller sleeps ``delay_ms`` before sending                                 |
+| corrupt     | outbound, reply   | frame: one byte of ``activations.data`` XORed, or (no activations) one token  |
+|             |                   | id of one stamp changed, hashes left as they were; reply: one token id changed|
+| swap_slots  | outbound          | two slots exchange their stamps; their rows stay where they were              |
+| cross_ids   | outbound, reply   | two slots (or two results) exchange request ids only                          |
+| forget_kv   | forget            | names a request of the frame whose state the stage drops before processing   |
+| crash       | crash             | the caller exits the process at once (``os._exit(137)``)                      |
+
+Every decision comes from a ``random.Random`` per kind, seeded from ``seed`` and the kind's name, so a
+kind's decisions are reproducible and independent of the other kinds' rates. Every fault applied is counted
+exactly once in ``counts``; a drawn fault that cannot apply (``swap_slots`` on a one-slot frame) is not.
+The caller's messages are never mutated: a faulted frame or reply is a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tether import settings
+from tether.v1 import stage_pb2
+
+KINDS = ("drop", "duplicate", "reorder", "delay", "corrupt", "swap_slots", "cross_ids", "forget_kv", "crash")
+PARAMS = ("seed", "delay_ms", "hold_ms")
+ENV = settings.FAULTS_ENV   # "TETHER_FAULTS"
+DEFAULT_DELAY_MS = 50.0
+
+
+def _spec_error(msg: str) -> ValueError:
+    return ValueError(f"{msg}; a fault spec is KIND=RATE,... with RATE a probability in [0, 1] "
+                      f"(kinds: {', '.join(KINDS)}) and optional {', '.join(p + '=N' for p in PARAMS)}, "
+                      f"e.g. 'drop=0.02,corrupt=0.05,delay=0.1,delay_ms=50,seed=7'")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    rates: Mapping[str, float] = field(default_factory=dict)   # kind -> probability per frame / reply
+    seed: int = 0
+    delay_ms: float = DEFAULT_DELAY_MS
+    hold_ms: float | None = None      # how long a reorder-held frame waits for a successor (default 2 × delay)
+
+    @property
+    def enabled(self) -> bool:
+        return any(r > 0 for r in self.rates.values())
+
+    def rate(self, kind: str) -> float:
+        return self.rates.get(kind, 0.0)
+
+    @property
+    def hold_s(self) -> float:
+        return (2 * self.delay_ms if self.hold_ms is None else self.hold_ms) / 1000
+
+    @classmethod
+    def parse(cls, spec: str | None) -> FaultConfig:
+        """Parse 'drop=0.02,corrupt=0.05,delay_ms=50,seed=7'; empty or None means off."""
+        rates: dict[str, float] = {}
+        params: dict[str, float] = {}
+        for item in (spec or "").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, eq, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq or not key or not value:
+                raise _spec_error(f"fault spec item {item!r} is not KEY=VALUE")
+            if key in rates or key in params:
+                raise _spec_error(f"fault spec names {key!r} twice")
+            if key in KINDS:
+                try:
+                    rate = float(value)
+                except ValueError:
+                    raise _spec_error(f"rate of {key!r} must be a number, got {value!r}") from None
+                if not 0.0 <= rate <= 1.0:   # also refuses nan
+                    raise _spec_error(f"rate of {key!r} must be in [0, 1], got {value}")
+                rates[key] = rate
+            elif key == "seed":
+                try:
+                    params[key] = int(value) if value.lstrip("+-").isdigit() else int(value, 0)   # 7, 007, 0x7
+                except ValueError:
+                    raise _spec_error(f"seed must be an integer, got {value!r}") from None
+            elif key in PARAMS:
+                try:
+                    ms = float(value)
+                except ValueError:
+                    raise _spec_error(f"{key} must be a number of milliseconds, got {value!r}") from None
+                if not (math.isfinite(ms) and ms >= 0):
+                    raise _spec_error(f"{key} must be >= 0, got {value}")
+                params[key] = ms
+            else:
+                raise _spec_error(f"unknown fault {key!r}")
+        return cls(rates=rates, seed=int(params.get("seed", 0)),
+                   delay_ms=params.get("delay_ms", DEFAULT_DELAY_MS), hold_ms=params.get("hold_ms"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultConfig:
+        """The spec in TETHER_FAULTS (off when unset or empty)."""
+        return cls.parse((os.environ if environ is None else environ).get(ENV, ""))
+
+    def spec(self) -> str:
+        """The canonical spec string (``parse(c.spec()) == c``)."""
+        items = [f"{k}={self.rates[k]:g}" for k in KINDS if k in self.rates]
+        items.append(f"seed={self.seed}")
+        items.append(f"delay_ms={self.delay_ms:g}")
+        if self.hold_ms is not None:
+            items.append(f"hold_ms={self.hold_ms:g}")
+        return ",".join(items)
+
+
+@dataclass
+class HeldFrames:
+    """Per-stream reorder buffer: the frame(s) held back to go out after the stream's next frame."""
+
+    frames: list[stage_pb2.Frame] = field(default_factory=list)
+
+    def take(self) -> list[stage_pb2.Frame]:
+        out, self.frames = self.frames, []
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.frames)
+
+
+class FaultInjector:
+    """Decides and applies faults; `counts` says how many of each kind were injected.
+
+    Hooks, in the order a stage meets them: `crash()` and `forget(frame)` when a frame arrives;
+    `delay_s()` and `outbound(frame, held)` when a frame goes to the next hop (`flush(held)` when a held
+    frame's successor did not come within `config.hold_s`); `reply(reply)` on a reply the caller answers.
+    """
+
+    def __init__(self, config: FaultConfig | None = None) -> None:
+        self.config = config or FaultConfig()
+        self.enabled = self.config.enabled
+        self.counts: dict[str, int] = {k: 0 for k in KINDS}
+        # One generator per kind: a kind's decisions do not shift when another kind's rate changes.
+        self._rng = {k: random.Random(f"tether-faults|{self.config.seed}|{k}") for k in KINDS}
+        self._held = HeldFrames()     # for callers with a single outbound stream
+
+    # --- decisions ----------------------------------------------------------------------------------------
+    def _draw(self, kind: str) -> bool:
+        rate = self.config.rate(kind)
+        return rate > 0 and self._rng[kind].random() < rate
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] += 1
+
+    def crash(self) -> bool:
+        """Should the process die now? (The caller exits; the injector only decides.)"""
+        if self._draw("crash"):
+            self._count("crash")
+            return True
+        return False
+
+    def forget(self, frame: stage_pb2.Frame) -> str | None:
+        """A request of `frame` whose state the stage should drop before processing it, or None.
+
+        Only slots past position 0 qualify: they are the ones whose state the stage must already hold.
+        """
+        if not self._draw("forget_kv"):
+            return None
+        rids = [s.stamp.request_id for s in frame.slots if s.stamp.position > 0 and s.stamp.request_id]
+        if not rids:
+            return None
+        self._count("forget_kv")
+        return self._rng["forget_kv"].choice(rids)
+
+    def delay_s(self) -> float:
+        """Seconds to sleep before sending the next frame (0.0 when no delay is drawn)."""
+        if self._draw("delay"):
+            self._count("delay")
+            return self.config.delay_ms / 1000
+        return 0.0
+
+    # --- frames going out ---------------------------------------------------------------------------------
+    def outbound(self, frame: stage_pb2.Frame, held: HeldFrames | None = None) -> list[stage_pb2.Frame]:
+        """The frames to actually send, in order, in place of `frame`.
+
+        `held` is the stream's reorder buffer (one per outbound stream; omit it for the injector's own).
+        A frame held for reorder is returned after the next frame, including when that next one is dropped.
+        """
+        held = self._held if held is None else held
+        if not self.enabled:
+            return [*held.take(), frame]
+        if self._draw("drop"):
+            self._count("drop")
+            return held.take()
+        frame = self._mutate(frame)
+        frames = [frame]
+        if self._draw("duplicate"):
+            self._count("duplicate")
+            frames.append(_copy(frame))
+        if held:
+            return frames + held.take()   # the earlier frame goes after this one: the reorder happens now
+        if self._draw("reorder"):
+            self._count("reorder")
+            held.frames = frames
+            return []
+        return frames
+
+    def flush(self, held: HeldFrames | None = None) -> list[stage_pb2.Frame]:
+        """The held frame(s), to send now that no successor came in time (they arrive late, not reordered)."""
+        return (self._held if held is None else held).take()
+
+    def _mutate(self, frame: stage_pb2.Frame) -> stage_pb2.Frame:
+        out = frame
+        if self._draw("corrupt"):
+            f = _copy(out)
+            if _corrupt_frame(f, self._rng["corrupt"]):
+                self._count("corrupt")
+                out = f
+        if self._draw("swap_slots") and len(out.slots) >= 2:
+            out = _copy(out) if out is frame else out
+            i, j = self._rng["swap_slots"].sample(range(len(out.slots)), 2)
+            a = stage_pb2.Stamp()
+            a.CopyFrom(out.slots[i].stamp)
+            out.slots[i].stamp.CopyFrom(out.slots[j].stamp)
+            out.slots[j].stamp.CopyFrom(a)
+            self._count("swap_slots")
+        if self._draw("cross_ids") and len(out.slots) >= 2:
+            out = _copy(out) if out is frame else out
+            i, j = self._rng["cross_ids"].sample(range(len(out.slots)), 2)
+            si, sj = out.slots[i].stamp, out.slots[j].stamp
+            si.request_id, sj.request_id = sj.request_id, si.request_id
+            self._count("cross_ids")
+        return out
+
+    # --- replies ------------------------------------------------------------------------------------------
+    def reply(self, reply: stage_pb2.FrameReply) -> stage_pb2.FrameReply:
+        """Faults on a reply: two results swap request ids (cross_ids), one token id changes (corrupt)."""
+        if not self.enabled:
+            return reply
+        out = reply
+        if self._draw("cross_ids") and len(out.results) >= 2:
+            out = _copy(out)
+            i, j = self._rng["cross_ids"].sample(range(len(out.results)), 2)
+            si, sj = out.results[i].stamp, out.results[j].stamp
+            si.request_id, sj.request_id = sj.request_id, si.request_id
+            self._count("cross_ids")
+        if self._draw("corrupt"):
+            tokens = [r for r in range(len(out.results)) if out.results[r].has_token]
+            if tokens:
+                out = _copy(out) if out is reply else out
+                res = out.results[self._rng["corrupt"].choice(tokens)]
+                res.token_id ^= 1 << self._rng["corrupt"].randrange(4)   # stays in its 16-aligned vocab group
+                self._count("corrupt")
+        return out
+
+
+def _copy(msg):
+    c = type(msg)()
+    c.CopyFrom(msg)
+    return c
+
+
+def _corrupt_frame(f: stage_pb2.Frame, rng: random.Random) -> bool:
+    """Flip one byte of the activations, or (no activations) one token id of one stamp. False if neither."""
+    if f.HasField("activations") and f.activations.data:
+        data = bytearray(f.activations.data)
+        data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
+        f.activations.data = bytes(data)
+        return True
+    slots = [i for i, s in enumerate(f.slots) if s.stamp.token_ids]
+    if not slots:
+        return False
+    ids = f.slots[rng.choice(slots)].stamp.token_ids
+    ids[rng.randrange(len(ids))] ^= 1 << rng.randrange(4)   # a different, still small token id
+    return True
