@@ -10,6 +10,7 @@ from services.coordinator.engine import Engine
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, settings
+from tether.faults import KINDS, FaultConfig, FaultInjector
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
 from tether.v1 import coordinator_pb2_grpc
@@ -43,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rebuilds", type=int, default=settings.MAX_REBUILDS,
                    help="times one request's state may be replayed after integrity failures before it fails "
                         "with ABORTED (default: %(default)s)")
+    p.add_argument("--faults", default=None,
+                   help="fault injection on the frames this coordinator sends, e.g. 'drop=0.02,corrupt=0.05,"
+                        "seed=7' (kinds: " + ", ".join(KINDS) + "); default: $" + settings.FAULTS_ENV + ", else off")
+    p.add_argument("--unsafe-disable-stamp-checks", action="store_true",
+                   help="EXPERIMENT ONLY: append tokens without checking their echoed stamps, to reproduce the "
+                        "wrong answers tether exists to prevent. Never use it to serve.")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
@@ -52,9 +59,13 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
-    pipeline = Pipeline(addresses, fingerprint, args.dtype)
+    faults = FaultConfig.parse(args.faults) if args.faults is not None else FaultConfig.from_env()
+    if args.unsafe_disable_stamp_checks:
+        log.warning("STAMP CHECKS DISABLED (--unsafe-disable-stamp-checks): tokens are appended unverified; "
+                    "this coordinator can deliver wrong answers. Experiment only.")
+    pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(faults))
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
-                    args.recovery_window, args.max_rebuilds)
+                    args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint), server.server)
@@ -85,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     grpcutil.configure_logging("coordinator", args.log_level)
     try:
+        if args.faults is not None:
+            FaultConfig.parse(args.faults)   # a bad spec is a usage error, before anything starts
         asyncio.run(serve(args))
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"tether coordinator: {e}")

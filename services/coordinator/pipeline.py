@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 
 import grpc
 
 from tether import grpcutil, settings
+from tether.faults import FaultInjector, HeldFrames
 from tether.protocol.hashing import payload_digest
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
@@ -20,7 +22,8 @@ class PipelineDown(Exception):
 
 
 class Pipeline:
-    def __init__(self, addresses: list[str], fingerprint: str, dtype: str) -> None:
+    def __init__(self, addresses: list[str], fingerprint: str, dtype: str,
+                 faults: FaultInjector | None = None) -> None:
         if not addresses:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
@@ -31,6 +34,9 @@ class Pipeline:
         self.stages: list[stage_pb2.StageInfo] = []
         self.call = None
         self.seq = 0
+        self.faults = faults or FaultInjector()    # off unless configured: the chaos experiments' hook
+        self.held = HeldFrames()
+        self.flush_task: asyncio.Task | None = None
 
     @property
     def num_stages(self) -> int:
@@ -59,11 +65,36 @@ class Pipeline:
         self.seq += 1
         frame = stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
                                 payload_digest=payload_digest(b"", [s.stamp.context_hash for s in slots]))
+        if not self.faults.enabled:
+            await self._write(frame)
+            return self.seq
+        if self.faults.crash():
+            log.critical("fault injection: crashing now (exit 137)")
+            os._exit(137)
+        delay = self.faults.delay_s()
+        if delay:
+            await asyncio.sleep(delay)
+        for f in self.faults.outbound(frame, self.held):
+            await self._write(f)
+        if self.held and self.flush_task is None:
+            self.flush_task = asyncio.create_task(self._flush_later())
+        return self.seq
+
+    async def _flush_later(self) -> None:
+        """A frame held back for reordering goes out alone, late, when no successor came in time."""
+        await asyncio.sleep(self.faults.config.hold_s)
+        self.flush_task = None
+        try:
+            for f in self.faults.flush(self.held):
+                await self._write(f)
+        except PipelineDown:
+            pass   # the reader reports a broken stream
+
+    async def _write(self, frame: stage_pb2.Frame) -> None:
         try:
             await self.call.write(frame)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            raise PipelineDown(f"Forward stream to stage 0 broke: {e}") from None
-        return self.seq
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, AttributeError) as e:
+            raise PipelineDown(f"Forward stream to stage 0 broke: {e!r}") from None
 
     async def replies(self):
         """FrameReplies in arrival order; raises PipelineDown when the stream breaks."""
@@ -87,6 +118,7 @@ class Pipeline:
         return out
 
     def close_stream(self) -> None:
+        self.held.take()          # frames held for reordering belong to the dead stream
         if self.call is not None:
             self.call.cancel()
             self.call = None

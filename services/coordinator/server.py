@@ -81,4 +81,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             requests_finished=c.finished, requests_failed=c.failed, slots_rejected=sum(c.rejections.values()),
             pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings,
             rejections=dict(c.rejections), rebuilds=c.rebuilds, resumes=c.resumes, recovered=c.recovered,
-            pipeline_reconnects=c.reconnects, stamp_checks=True)
+            pipeline_reconnects=c.reconnects, stamp_checks=e.stamp_checks,
+            faults_injected={k: v for k, v in e.pipeline.faults.counts.items() if v})
