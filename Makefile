@@ -31,7 +31,7 @@ test: setup  ## the whole test suite (unit + services on loopback)
 	$(BIN)/python -m pytest -q
 
 bench: setup  ## load sweep with audit against a cluster this target starts
-	$(BIN)/python -m tether.cli.main bench --spawn --out bench-out
+	$(BIN)/python -m tether.cli.main bench --spawn --sweep 1,2,4,8 --num-requests 32 --audit --baselines --slo ttft:1000,tpot:100 --out bench-out
 
 clean:  ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) tether/v1/*_pb2*.py tether/v1/*_pb2.pyi .pytest_cache

@@ -72,7 +72,7 @@ def run_engine(lm: reference.LoadedModel, jobs: Seq[Job], batch_size: int, max_b
             rows += len(seq.prompt_ids)
         feeds = [seq.all_ids[kv.length:] for seq, kv in running]
         slots = []
-        for (seq, kv), ids in zip(running, feeds):
+        for (_, kv), ids in zip(running, feeds):
             kv.ensure(kv.length + len(ids))
             slots.append(SlotRows(kv, kv.length, len(ids)))
         h = model(torch.tensor([t for ids in feeds for t in ids], dtype=torch.long), slots)

@@ -28,8 +28,9 @@ def _lat(levels: list[dict], metric: str, q: str) -> list[float | None]:
 def sweep(levels: list[dict], path: Path) -> None:
     x, xlabel = _x(levels)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, metric, title in ((axes[0][0], "ttft", "time to first token"), (axes[0][1], "tpot", "time per output token"),
-                              (axes[1][0], "e2e", "end-to-end latency")):
+    panels = ((axes[0][0], "ttft", "time to first token"), (axes[0][1], "tpot", "time per output token"),
+              (axes[1][0], "e2e", "end-to-end latency"))
+    for ax, metric, title in panels:
         for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
             ax.plot(x, _lat(levels, metric, q), style, label=f"{metric.upper()} {q}")
         if metric == "tpot":
@@ -46,7 +47,8 @@ def sweep(levels: list[dict], path: Path) -> None:
         ax.plot(ax_x, [100 * lv["audit"]["within_margin"] / max(1, lv["audit"]["audited"]) for lv in audited],
                 "s--", color="gray", label="within margin")
         for xi, lv in zip(ax_x, audited):
-            ax.annotate(f"{lv['audit']['mismatch']}/{lv['audit']['audited']}", (xi, 100 * (lv["audit"]["mismatch_rate"] or 0)),
+            a = lv["audit"]
+            ax.annotate(f"{a['mismatch']}/{a['audited']}", (xi, 100 * (a["mismatch_rate"] or 0)),
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         ax.set_ylim(0, max(1.0, *(120 * (lv["audit"]["mismatch_rate"] or 0.0) for lv in audited)))
         ax.legend(fontsize=8)

@@ -6,6 +6,7 @@ most every `LOG_INTERVAL_S` seconds and at the end, so logs stay short.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import TextIO
@@ -18,8 +19,8 @@ LOG_INTERVAL_S = 5.0
 
 
 class Progress:
-    """`update(record)` after each request; `close()` once the level is done. Fraction done is by request
-    count when the level has one, else by elapsed time."""
+    """`update(record)` after each request; `close()` once the level is done, or use it as `async with` to
+    also redraw twice a second. Fraction done is by request count when the level has one, else by time."""
 
     def __init__(self, label: str, total: int | None = None, duration_s: float | None = None,
                  stream: TextIO = sys.stderr, enabled: bool = True) -> None:
@@ -43,6 +44,19 @@ class Progress:
         else:
             self.failed += 1
         self._emit(final=False)
+
+    async def _tick(self, interval_s: float = 0.5) -> None:
+        while True:   # redraw without new results too, so elapsed time moves while requests are slow
+            await asyncio.sleep(interval_s)
+            self._emit(final=False)
+
+    async def __aenter__(self) -> "Progress":
+        self._ticker = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._ticker.cancel()
+        self.close()
 
     def close(self) -> None:
         self._emit(final=True)

@@ -94,8 +94,12 @@ def markdown(report: dict) -> str:
                 "their request. This is a correctness bug; details below.", ""]
     out += ["## Summary", "", *_table(SUMMARY_HEADER, summary_rows(report["levels"])), ""]
     for lv in report["levels"]:
-        out += [f"## {lv['label']}", ""]
-        lat = lv["summary"]["latency_ms"]
+        s = lv["summary"]
+        out += [f"## {lv['label']}", "",
+                f"{s['requests']} requests sent at {fmt(s['send_rate'], 2)}/s, last one done after "
+                f"{fmt(s['wall_s'])} s; {fmt(s['input_token_throughput'])} prompt tokens/s; load average "
+                f"{lv['load_average'][0]:.2f} before, {lv['load_average'][1]:.2f} after.", ""]
+        lat = s["latency_ms"]
         out += _table(["metric (ms)", "count", "mean", "p50", "p90", "p99"],
                       [[m.upper(), str(lat[m]["count"]), fmt(lat[m]["mean"]), fmt(lat[m]["p50"]),
                         fmt(lat[m]["p90"]), fmt(lat[m]["p99"])] for m in METRICS])
@@ -127,7 +131,7 @@ def _baselines_md(b: dict | None) -> list[str]:
             f"{b['completed']} requests of the same workload (the prompts, seeds and output budgets the server "
             f"used), batch size {b['batch_size']}; the in-process baselines run {b['threads']} torch thread(s), "
             f"each of the cluster's {b['stages']} stage processes {b['stage_threads']}; median of {b['repeats']} "
-            f"interleaved run(s).", "",
+            f"interleaved run(s); each ratio is the median of the per-run ratios.", "",
             *_table(["side", "what", "output tok/s (median)", "runs"], rows), "",
             f"tether / engine = **{ratio_text(b['ratios'].get('vs_engine'))}**, "
             f"tether / transformers = **{ratio_text(b['ratios'].get('vs_hf'))}**", ""]

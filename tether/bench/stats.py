@@ -73,6 +73,8 @@ def level_summary(records: Sequence[RequestRecord], wall_s: float, slo: dict[str
     """Throughput, goodput, latency distributions (ms) and errors by gRPC status of one load level."""
     done = [r for r in records if r.ok]
     per_s = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: None)
+    starts = [r.start for r in records]
+    span = max(starts) - min(starts) if starts else 0.0
     out_tokens = sum(r.output_tokens for r in done)
     return {
         "requests": len(records),
@@ -80,6 +82,8 @@ def level_summary(records: Sequence[RequestRecord], wall_s: float, slo: dict[str
         "failed": len(records) - len(done),
         "errors_by_status": dict(sorted(Counter(r.error_code for r in records if not r.ok).items())),
         "wall_s": wall_s,
+        # the rate requests actually went out at: a finite Poisson sample strays from its nominal rate
+        "send_rate": (len(records) - 1) / span if span > 0 else None,
         "request_throughput": per_s(len(done)),
         "output_token_throughput": per_s(out_tokens),
         "input_token_throughput": per_s(sum(r.prompt_tokens for r in done)),

@@ -104,6 +104,10 @@ def _word_pool() -> tuple[str, ...]:
              for w in re.findall(r"[A-Za-z]+", row["prompt"])}
     return tuple(sorted(words))
 
+
+# Long-context requests: an instruction, the material, then one of these questions.
+LONG_HEADS = {"zh": "阅读下面的材料，然后回答问题。\n\n",
+              "en": "Read the material below, then answer the question.\n\n"}
 LONG_QUESTIONS = {
     "zh": ["问题：根据以上材料，用不超过60字总结主要内容。", "问题：以上材料提到了哪些具体数字？",
            "问题：材料中提到的主要困难是什么？", "问题：如果你是负责人，下一步会怎么做？"],
@@ -167,7 +171,7 @@ class Workload:
         passages = [p["text"] for p in _data("passages.jsonl") if p["lang"] == lang]
         question = rng.choice(LONG_QUESTIONS[lang])
         target = rng.randint(self.long.min_tokens, self.long.max_tokens)
-        head = "阅读下面的材料，然后回答问题。\n\n" if lang == "zh" else "Read the material below, then answer the question.\n\n"
+        head = LONG_HEADS[lang]
         tail = f"\n\n{question}"
         budget = target - len(self.encode(head + tail))
         parts: list[str] = []

@@ -1,0 +1,167 @@
+"""One bench run: warm-up, the load levels (each audited right after its load, while the cluster is idle), the
+baselines; plus how the command-line options map to levels, budgets and threads."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from tether import reference, settings
+from tether.bench import audit, baselines, loadgen, stats
+from tether.bench.progress import Progress
+from tether.bench.records import BREAKDOWN_TAGS, RequestRecord
+from tether.bench.workloads import Workload
+from tether.client import AsyncClient
+from tether.v1 import coordinator_pb2
+
+DEFAULT_NUM_REQUESTS = 32
+DEFAULT_CONCURRENCY = 8
+# The audit needs no parallelism, and on a shared 2-core machine two OpenMP threads collapse as soon as
+# another process takes a core (measured: 1.2 s instead of 15 ms per token on `small`).
+AUDIT_THREADS = 1
+
+
+def chaos_status(requested: bool) -> dict:
+    """Whether fault counters can be reported. The coordinator's Stats is where the fault injector (the
+    integrity issue) will publish them; as long as it has no fault fields there is nothing to report."""
+    fields = [f for f in coordinator_pb2.StatsReply.DESCRIPTOR.fields_by_name if "fault" in f]
+    if fields:
+        reason = (f"the coordinator publishes fault counters ({', '.join(fields)}) but this version of "
+                  f"`tether bench` does not read them yet")
+    else:
+        reason = ("this build of tether has no fault injector: the coordinator's Stats carries no fault counters. "
+                  "Chaos figures arrive with the integrity issue's injector; no zeros are reported in their place")
+    return dict(requested=requested, available=False, reason=reason)
+
+
+def ratio(ours: list[float], theirs: list[float]) -> float | None:
+    """Median over repeats of our throughput divided by theirs in the same repeat."""
+    pairs = [a / b for a, b in zip(ours, theirs) if b > 0]
+    return stats.median(pairs) if pairs else None
+
+
+def stage_threads(args: argparse.Namespace) -> int:
+    """Torch threads per stage process: --threads, else the cores divided among the stages (as `tether up`)."""
+    return args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+
+
+def levels_of(args: argparse.Namespace) -> list[loadgen.Level]:
+    if args.sweep:
+        return [loadgen.Level("open", rate=r) for r in args.sweep]
+    if args.rate:
+        return [loadgen.Level("open", rate=args.rate)]
+    return [loadgen.Level("closed", concurrency=args.concurrency or DEFAULT_CONCURRENCY)]
+
+
+def budget_of(args: argparse.Namespace) -> loadgen.Budget:
+    if args.duration:
+        return loadgen.Budget(duration_s=args.duration)
+    return loadgen.Budget(num_requests=args.num_requests or DEFAULT_NUM_REQUESTS)
+
+
+class Bench:
+    """One bench run against `target`: warm-up, the levels (each audited right after its load, while the
+    cluster is idle), then the baselines."""
+
+    def __init__(self, args: argparse.Namespace, target: str, lm: reference.LoadedModel, workload: Workload) -> None:
+        self.args, self.target, self.lm, self.workload = args, target, lm, workload
+        self.records: list[RequestRecord] = []
+
+    def progress(self, label: str, budget: loadgen.Budget) -> Progress:
+        return Progress(label, budget.num_requests, budget.duration_s, enabled=not self.args.quiet)
+
+    async def level(self, client: AsyncClient, level: loadgen.Level, budget: loadgen.Budget, key: str,
+                    label: str | None = None) -> loadgen.LevelRun:
+        """Run one level; `key` seeds its request stream and (open loop) its arrival pattern."""
+        seed = f"{self.args.seed}:{key}"
+        async with self.progress(label or level.label, budget) as bar:
+            return await loadgen.run_level(client, self.workload.stream(seed), level, budget, seed, bar.update)
+
+    async def warm_up(self, client: AsyncClient) -> None:
+        """Warm the cluster and check it serves --model: the receipts carry the served model's fingerprint."""
+        run = await self.level(client, loadgen.Level("closed", concurrency=min(4, self.args.warmup)),
+                               loadgen.Budget(num_requests=self.args.warmup), "warmup", "warm-up")
+        done = [r for r in run.records if r.ok]
+        if not done:
+            errors = "; ".join(f"{r.error_code}: {r.error}" for r in run.records[:3])
+            raise SystemExit(f"tether bench: every warm-up request to {self.target} failed ({errors})")
+        served = done[0].model_fingerprint
+        if served != self.lm.fingerprint:
+            raise SystemExit(f"tether bench: the cluster at {self.target} serves model {served}, but --model "
+                             f"{self.args.model} is {self.lm.fingerprint}; pass the served model with --model")
+
+    async def run_levels(self) -> list[dict]:
+        out = []
+        async with AsyncClient(self.target, timeout=self.args.timeout) as client:
+            await self.warm_up(client)
+            for level in levels_of(self.args):
+                load_before = os.getloadavg()[0]
+                # Every level sends the same request sequence with the same arrival pattern (scaled to its
+                # rate), so levels differ only in their load: common random numbers, the fair way to compare.
+                run = await self.level(client, level, budget_of(self.args), "levels")
+                self.records += run.records
+                out.append(self.level_report(run, load_before))
+        return out
+
+    def level_report(self, run: loadgen.LevelRun, load_before: float) -> dict:
+        slo = self.args.slo
+        audit_json = None
+        if self.args.audit:
+            with baselines.torch_threads(AUDIT_THREADS):
+                audit_json = audit.audit_records(self.lm, run.records).to_json()
+        by_tag = {t: stats.breakdown(run.records, lambda r, t=t: r.tag(t), run.wall_s, slo) for t in BREAKDOWN_TAGS}
+        return dict(label=run.level.label, mode=run.level.mode, rate=run.level.rate,
+                    concurrency=run.level.concurrency, load_average=[load_before, os.getloadavg()[0]],
+                    summary=stats.level_summary(run.records, run.wall_s, slo),
+                    by_workload=stats.breakdown(run.records, lambda r: r.request.workload, run.wall_s, slo),
+                    by_tag=by_tag, audit=audit_json)
+
+    def run_baselines(self) -> dict:
+        a = self.args
+        # One stage's threads: on a shared 2-core machine more OpenMP threads than cores-per-process collapse
+        # (GNU OpenMP spins; measured 9-170 instead of ~450 tok/s for 2 threads under load), and a ceiling
+        # measured in that state would mean nothing.
+        threads = a.baseline_threads or stage_threads(a)
+        served_runs: list[float] = []
+        engine_runs: list[float] = []
+        hf_runs: list[float] = []
+        hf_error = ""
+        hf = None
+        try:
+            hf = baselines.load_hf(self.lm.folder)
+        except ImportError:
+            hf_error = "transformers is not installed (pip install -e '.[bench]')"
+        jobs: list[baselines.Job] = []
+        for i in range(a.repeats):
+            run = asyncio.run(self.served_set(i))
+            records = run.records
+            served_runs.append(sum(r.output_tokens for r in records if r.ok) / run.wall_s)
+            if not jobs:   # the exact prompts and sampling the server used, output budgets included
+                jobs = [baselines.Job(self.lm.tokenizer.encode(r.request.prompt), audit.served_params(r))
+                        for r in sorted(records, key=lambda r: r.request.index) if r.ok]
+            with baselines.torch_threads(threads):
+                engine_runs.append(baselines.run_engine(self.lm, jobs, a.batch_size,
+                                                        settings.MAX_BATCH_TOKENS).output_token_throughput)
+                if hf is not None:
+                    pad = baselines.pad_token(hf, self.lm.tokenizer.eos_ids)
+                    hf_runs.append(baselines.run_hf(hf, jobs, a.batch_size, pad,
+                                                    self.lm.tokenizer.eos_ids).output_token_throughput)
+        hf_tps = stats.median(hf_runs) if hf_runs else None
+        return dict(requests=a.baseline_requests, completed=len(jobs), batch_size=a.batch_size, threads=threads,
+                    stage_threads=stage_threads(a), stages=a.stages, repeats=a.repeats,
+                    served=dict(output_token_throughput=stats.median(served_runs), runs=served_runs),
+                    engine=dict(output_token_throughput=stats.median(engine_runs), runs=engine_runs),
+                    hf=dict(output_token_throughput=hf_tps, runs=hf_runs, **({"error": hf_error} if hf_error else {})),
+                    # Each ratio is the median of per-repeat ratios: the sides of one repeat ran back to back,
+                    # so a change in the machine's load between repeats cancels out.
+                    ratios=dict(vs_engine=ratio(served_runs, engine_runs), vs_hf=ratio(served_runs, hf_runs)))
+
+    async def served_set(self, repeat: int) -> loadgen.LevelRun:
+        """The baseline request set through the cluster, all at once up to --batch-size in flight."""
+        requests = iter(self.workload.take(self.args.baseline_requests, f"{self.args.seed}:baseline"))
+        level = loadgen.Level("closed", concurrency=self.args.batch_size)
+        budget = loadgen.Budget(num_requests=self.args.baseline_requests)
+        async with self.progress(f"baseline set #{repeat + 1}", budget) as bar, \
+                AsyncClient(self.target, timeout=self.args.timeout) as client:
+            return await loadgen.closed_loop(client, requests, level, budget, bar.update)
