@@ -232,8 +232,12 @@ class Engine:
 
     async def _resync(self, reqs: list[Request]) -> None:
         """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
+        for r in reqs:
+            if r.fed == 0 and not r.done:   # nothing confirmed yet: send it again; stamps catch any leftovers
+                r.in_flight, r.sent = False, None
         reqs = [r for r in reqs if r.fed > 0 and not r.done]
         if not reqs:
+            self.wake.set()
             return
         held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
         for req in reqs:

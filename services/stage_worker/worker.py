@@ -75,6 +75,11 @@ class StageWorker:
         """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
         if self.stamp_checks and frame_digest(frame) != frame.payload_digest:
             return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
+        if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
+            if self.model.has_head:
+                return StepOutcome()
+            return StepOutcome(forward=self._next_frame(frame, [], torch.empty(0, self.model.cfg.hidden_size,
+                                                                                 dtype=self.model.dtype)))
         rows = sum(len(s.stamp.token_ids) for s in frame.slots)
         hidden = None
         if not self.model.has_embedding:
