@@ -26,7 +26,9 @@ class SlotRows:
     kv: KVCache
     start: int      # position of the slot's first row
     length: int     # number of rows
-    mask: BlockMask | None = None   # set by ModelSlice.forward when batch invariance is on
+    # Set by ModelSlice.forward when batch invariance is on: (first row, rows, mask) per group of query
+    # rows; a group reads only the key blocks its last row can see (the causal half, not the square).
+    masks: list[tuple[int, int, BlockMask]] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -89,9 +91,11 @@ class Attention(nn.Module):
             rows = slice(row, row + s.length)
             s.kv.write(layer, s.start, k[:, rows], v[:, rows])
             total = s.start + s.length
-            if s.mask is not None:
-                keys, values = s.kv.blocks(layer, total)
-                out[:, rows] = block_attention(q[:, rows], keys, values, s.mask)
+            if s.masks is not None:
+                for first, count, mask in s.masks:
+                    keys, values = s.kv.blocks(layer, s.start + first + count)
+                    at = slice(row + first, row + first + count)
+                    out[:, at] = block_attention(q[:, at], keys, values, mask)
             else:
                 keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
                 mask = None
@@ -175,7 +179,10 @@ class ModelSlice(nn.Module):
         prows = padded_rows(rows) if self.batch_invariant else rows
         group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         for s in slots:   # built once per step, shared by every layer
-            s.mask = BlockMask.build(s.start, s.length, group, s.kv.block) if self.batch_invariant else None
+            s.masks = None if not self.batch_invariant else [
+                (first, min(s.kv.block, s.length - first),
+                 BlockMask.build(s.start + first, min(s.kv.block, s.length - first), group, s.kv.block))
+                for first in range(0, s.length, s.kv.block)]
         x = self.embed_tokens(pad_rows(inputs, prows)) if self.has_embedding else pad_rows(inputs.to(self.dtype), prows)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
         cos, sin = self.rotary.cos_sin(pad_rows(positions, prows), self.dtype)
