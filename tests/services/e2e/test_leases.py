@@ -4,25 +4,14 @@ again and the requests it lost fail explicitly."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, TetherError
-from tether.v1 import stage_pb2, stage_pb2_grpc
 
 
-def _held(cluster, rid: str) -> list[bool]:
-    out = []
-    for name in ("stage0", "stage1"):
-        with grpc.insecure_channel(cluster.service(name).address) as ch:
-            reply = stage_pb2_grpc.StageStub(ch).SyncState(stage_pb2.SyncRequest(request_ids=[rid]), timeout=5)
-            out.append(reply.states[0].held)
-    return out
-
-
-def test_coordinator_killed_mid_generation(tmp_path):
+def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
     lease = 2.0
     cluster = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path,
                            extra={"stage": ["--lease", str(lease)]}).start(timeout=180)
@@ -42,14 +31,11 @@ def test_coordinator_killed_mid_generation(tmp_path):
         t = threading.Thread(target=run)
         t.start()
         assert first.wait(60)
-        assert all(_held(cluster, rid))
+        assert all(held(cluster, rid))
         cluster.kill("coordinator")                      # no Release will ever come
         t.join(timeout=60)
         assert not t.is_alive() and error and error[0].code == grpc.StatusCode.UNAVAILABLE
-        deadline = time.monotonic() + lease + 15
-        while any(_held(cluster, rid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_held(cluster, rid)), "state outlived its lease"
+        wait_released(cluster, rid, timeout=lease + 15)   # no Release came: the lease freed it
 
         cluster.restart("coordinator")                   # a new coordinator: new handshake, serves again
         cluster.wait_ready(120)
