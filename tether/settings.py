@@ -29,7 +29,7 @@ READINESS_POLL_S = 1.0         # how often admission asks its coordinator whethe
 
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch
-MAX_BATCH_TOKENS = 2048     # rows per micro-batch (prefill tokens count one row each)
+MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled in chunks of what fits
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail

@@ -167,7 +167,7 @@ class Engine:
                 ids, self.to_release = self.to_release, []
                 asyncio.create_task(self.pipeline.release(ids))
             while batch := self.sched.next_batch():
-                slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=True,
+                slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed) for r in batch]
                 self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
                 await self.pipeline.send(slots)
@@ -200,6 +200,11 @@ class Engine:
             self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
         elif not res.ok:
             self._rebuild(req, R.Name(res.reason), f"stage {res.stage_index}: {res.detail}")
+        elif not req.samples:
+            if res.has_token:
+                self._rebuild(req, "ECHO_MISMATCH", "a token came back for a prefill chunk")
+            else:
+                req.confirm()          # a prefill chunk landed on every stage; the next chunk follows
         elif not res.has_token:
             self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
         elif self.stamp_checks and res.token_hash != req.seq.hasher.peek([res.token_id]):

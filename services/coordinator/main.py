@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-slots", type=int, default=settings.MAX_BATCH_SLOTS,
                    help="requests per micro-batch (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=settings.MAX_BATCH_TOKENS,
-                   help="rows per micro-batch; a longer prompt still goes alone (default: %(default)s)")
+                   help="rows per micro-batch; longer prompts are prefilled in chunks (default: %(default)s)")
     p.add_argument("--frame-timeout", type=float, default=settings.FRAME_TIMEOUT_S,
                    help="seconds before an unanswered micro-batch counts as lost; its requests are synced with "
                         "the stages and resumed or replayed (default: %(default)s)")

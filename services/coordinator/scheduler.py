@@ -39,11 +39,22 @@ class Request:
     def id(self) -> str:
         return self.seq.request_id
 
-    def stamp(self) -> stage_pb2.Stamp:
-        """The stamp for the next frame: every context token the stages do not hold yet."""
-        ids = self.seq.all_ids[self.fed:]
+    @property
+    def pending(self) -> int:
+        """Context tokens the stages do not hold yet."""
+        return len(self.seq.all_ids) - self.fed
+
+    def stamp(self, limit: int | None = None) -> stage_pb2.Stamp:
+        """The stamp for the next frame: the next `limit` context tokens the stages do not hold (all by
+        default). A stamp that stops short of the end is a prefill chunk: no token is sampled after it."""
+        ids = self.seq.all_ids[self.fed:self.fed + limit] if limit else self.seq.all_ids[self.fed:]
         return stage_pb2.Stamp(request_id=self.id, epoch=self.epoch, position=self.fed, token_ids=ids,
-                               parent_hash=self.fed_hash.value, context_hash=self.seq.hasher.value)
+                               parent_hash=self.fed_hash.value, context_hash=self.fed_hash.peek(ids))
+
+    @property
+    def samples(self) -> bool:
+        """Whether the frame in flight reaches the end of the context (so a token comes back)."""
+        return self.sent is not None and self.sent.position + len(self.sent.token_ids) == len(self.seq.all_ids)
 
     def echo_matches(self, echo: stage_pb2.Stamp) -> bool:
         s = self.sent
@@ -92,44 +103,42 @@ class Scheduler:
         return self.frames_in_flight < self.num_stages
 
     def next_batch(self) -> list[Request]:
-        """Requests for the next micro-batch, each marked in flight.
+        """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
         The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
-        running requests (decode) go first, then waiting ones by priority and arrival.
+        running requests go first, then waiting ones by priority and arrival. At most `max_tokens` rows go
+        in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
+        invisible in the output), so long prompts never stall the decodes batched with them.
         """
         if not self.has_room():
             return []
         active = len(self.running) + len(self.waiting)
         share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
-        batch: list[Request] = []
+        batch: list[tuple[Request, int]] = []
         tokens = 0
         for req in self.running.values():
-            if len(batch) >= share:
+            if len(batch) >= share or tokens >= self.max_tokens:
                 break
             if not req.in_flight and not req.done:
-                n = len(req.seq.all_ids) - req.fed
-                if batch and tokens + n > self.max_tokens:
-                    continue
-                batch.append(req)
+                n = min(req.pending, self.max_tokens - tokens)
+                batch.append((req, n))
                 tokens += n
-        if len(batch) < share and self.waiting:
+        if self.waiting:
             ordered = sorted(self.waiting, key=lambda r: PRIORITY_ORDER.get(r.priority, 1))  # stable: FIFO within
             for req in ordered:
-                if len(batch) >= share:
+                if len(batch) >= share or tokens >= self.max_tokens:
                     break
-                n = len(req.seq.all_ids)
-                if batch and tokens + n > self.max_tokens:
-                    break
+                n = min(req.pending, self.max_tokens - tokens)
                 self.waiting.remove(req)
                 self.running[req.id] = req
-                batch.append(req)
+                batch.append((req, n))
                 tokens += n
-        for req in batch:
+        for req, n in batch:
             req.in_flight = True
-            req.sent = req.stamp()
+            req.sent = req.stamp(n)
         if batch:
             self.frames_in_flight += 1
-        return batch
+        return [req for req, _ in batch]
 
     def frame_done(self) -> None:
         self.frames_in_flight -= 1

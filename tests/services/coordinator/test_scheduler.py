@@ -26,12 +26,15 @@ def req(rid: str, prompt_len: int = 4, priority: str = "standard", max_tokens: i
 
 
 def complete(sched: Scheduler, batch: list[Request], token: int = 66) -> None:
-    """What the engine does when a frame's echoes all match: confirm, append, free the frame slot."""
+    """What the engine does when a frame's echoes all match: confirm, append (unless the stamp was a
+    prefill chunk, which samples nothing), free the frame slot."""
     sched.frame_done()
     for r in batch:
         assert r.echo_matches(echo(r.sent))
+        samples = r.samples
         r.confirm()
-        r.seq.append(token)
+        if samples:
+            r.seq.append(token)
 
 
 def ids(batch) -> list[str]:
@@ -158,27 +161,37 @@ def test_running_requests_go_before_waiting_ones():
     assert ids(sched.next_batch()) == ["old1", "old2"]
 
 
-def test_max_tokens_budget():
+def test_max_tokens_budget_chunks_the_prompt_that_does_not_fit():
     sched = Scheduler(num_stages=1, max_slots=32, max_tokens=25)
     for i in range(5):
         sched.add(req(f"r{i}", prompt_len=10))
     b = sched.next_batch()
-    assert ids(b) == ["r0", "r1"] and sum(len(r.sent.token_ids) for r in b) == 20
+    assert ids(b) == ["r0", "r1", "r2"] and [len(r.sent.token_ids) for r in b] == [10, 10, 5]
+    assert [r.samples for r in b] == [True, True, False]       # r2's first chunk samples nothing
     complete(sched, b)
-    # decode rows are 1 each: the two running requests plus two more prefills (1 + 1 + 10 + 10 <= 25)
+    # two decodes (1 row each), the rest of r2's prompt (5), then r3 (10) and a chunk of r4 (25 - 17 = 8)
     b = sched.next_batch()
-    assert ids(b) == ["r0", "r1", "r2", "r3"]
-    assert sum(len(r.sent.token_ids) for r in b) == 22
+    assert ids(b) == ["r0", "r1", "r2", "r3", "r4"]
+    assert [len(r.sent.token_ids) for r in b] == [1, 1, 5, 10, 8]
+    assert b[2].sent.position == 5 and b[2].samples and not b[4].samples
 
 
-def test_an_oversized_prompt_still_runs_alone():
+def test_an_oversized_prompt_is_prefilled_in_chunks():
     sched = Scheduler(num_stages=1, max_slots=32, max_tokens=8)
-    sched.add(req("big", prompt_len=50))
+    sched.add(req("big", prompt_len=20))
     sched.add(req("small", prompt_len=2))
-    b = sched.next_batch()
-    assert ids(b) == ["big"] and len(b[0].sent.token_ids) == 50
-    complete(sched, b)
-    assert ids(sched.next_batch()) == ["big", "small"]
+    chunks = []
+    while True:
+        b = sched.next_batch()
+        assert sum(len(r.sent.token_ids) for r in b) <= 8
+        chunks.append([(r.id, r.sent.position, len(r.sent.token_ids), r.samples) for r in b])
+        done = any(r.id == "big" and r.samples for r in b)
+        complete(sched, b)
+        if done:
+            break
+    assert chunks == [[("big", 0, 8, False)], [("big", 8, 8, False)], [("big", 16, 4, True), ("small", 0, 2, True)]]
+    big = sched.running["big"]
+    assert big.fed == 20 and big.fed_hash.value == context_hash(SEED, big.seq.prompt_ids)
 
 
 def test_waiting_requests_keep_their_order_when_the_budget_is_full():
@@ -187,8 +200,9 @@ def test_waiting_requests_keep_their_order_when_the_budget_is_full():
     sched.add(req("a", prompt_len=10))
     sched.add(req("big", prompt_len=10))
     sched.add(req("small", prompt_len=1))
-    assert ids(sched.next_batch()) == ["a"]
-    assert [r.id for r in sched.waiting] == ["big", "small"]
+    b = sched.next_batch()
+    assert ids(b) == ["a", "big"] and len(b[1].sent.token_ids) == 2     # big starts with what fits
+    assert [r.id for r in sched.waiting] == ["small"]
 
 
 def test_stamp_confirm_and_fed_hash():

@@ -19,6 +19,7 @@ PROMPTS = [
     "def fib(n):",
     "你好",
     "A" * 300,
+    "请总结下面这段话：" + "今天天气很好，我们去公园散步。" * 30,     # ~1300 tokens: prefilled in chunks
     "混合 mixed 语言 prompt with 中文 and English, a bit longer than the others to vary prefill lengths.",
 ]
 
