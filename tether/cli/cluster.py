@@ -123,7 +123,8 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             svc.log_path = self.log_dir / f"{svc.name}.log"
             out = open(svc.log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Passive OpenMP waits: spinning threads starve the other services sharing the machine's cores.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
                                     env=env, preexec_fn=_die_with_parent, cwd=_repo_root())
         if out is not None:
