@@ -29,10 +29,11 @@ The caller's messages are never mutated: a faulted frame or reply is a copy.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from tether import settings
@@ -283,3 +284,47 @@ def _corrupt_frame(f: stage_pb2.Frame, rng: random.Random) -> bool:
     ids = f.slots[rng.choice(slots)].stamp.token_ids
     ids[rng.randrange(len(ids))] ^= 1 << rng.randrange(4)   # a different, still small token id
     return True
+
+
+class OutboundFaults:
+    """An injector applied to one outbound stream (a stage's downstream, the coordinator's Forward): the
+    delay, then whatever `outbound` returns, written in order. A frame held back for reordering whose
+    successor does not come within `hold_s` goes out alone, late."""
+
+    def __init__(self, injector: FaultInjector, write: Callable[[stage_pb2.Frame], Awaitable[None]]) -> None:
+        self.injector = injector
+        self.write = write
+        self.held = HeldFrames()
+        self.flush_task: asyncio.Task | None = None
+
+    async def send(self, frame: stage_pb2.Frame) -> None:
+        delay = self.injector.delay_s()
+        if delay:
+            await asyncio.sleep(delay)
+        for f in self.injector.outbound(frame, self.held):
+            await self.write(f)
+        if self.held and self.flush_task is None:
+            self.flush_task = asyncio.create_task(self._flush_later())
+        elif not self.held and self.flush_task is not None:
+            self.flush_task.cancel()   # still asleep: the held frame went out behind this one
+            self.flush_task = None
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.injector.config.hold_s)
+        self.flush_task = None         # from here on, not cancellable by `send`: the frames are taken
+        try:
+            for f in self.injector.flush(self.held):
+                await self.write(f)
+        except Exception:   # noqa: BLE001 - the stream broke; its reader reports that
+            pass
+
+    async def drain(self) -> None:
+        """The stream ends: a frame still held goes out now."""
+        for f in self.held.take():
+            await self.write(f)
+
+    def close(self) -> None:
+        if self.flush_task is not None:
+            self.flush_task.cancel()
+            self.flush_task = None
+        self.held.take()

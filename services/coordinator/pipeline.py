@@ -10,7 +10,7 @@ import secrets
 import grpc
 
 from tether import grpcutil, settings
-from tether.faults import FaultInjector, HeldFrames
+from tether.faults import FaultInjector, OutboundFaults
 from tether.protocol.hashing import payload_digest
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
@@ -35,8 +35,7 @@ class Pipeline:
         self.call = None
         self.seq = 0
         self.faults = faults or FaultInjector()    # off unless configured: the chaos experiments' hook
-        self.held = HeldFrames()
-        self.flush_task: asyncio.Task | None = None
+        self.outbound = OutboundFaults(self.faults, self._write)
 
     @property
     def num_stages(self) -> int:
@@ -71,24 +70,8 @@ class Pipeline:
         if self.faults.crash():
             log.critical("fault injection: crashing now (exit 137)")
             os._exit(137)
-        delay = self.faults.delay_s()
-        if delay:
-            await asyncio.sleep(delay)
-        for f in self.faults.outbound(frame, self.held):
-            await self._write(f)
-        if self.held and self.flush_task is None:
-            self.flush_task = asyncio.create_task(self._flush_later())
+        await self.outbound.send(frame)
         return self.seq
-
-    async def _flush_later(self) -> None:
-        """A frame held back for reordering goes out alone, late, when no successor came in time."""
-        await asyncio.sleep(self.faults.config.hold_s)
-        self.flush_task = None
-        try:
-            for f in self.faults.flush(self.held):
-                await self._write(f)
-        except PipelineDown:
-            pass   # the reader reports a broken stream
 
     async def _write(self, frame: stage_pb2.Frame) -> None:
         try:
@@ -118,7 +101,7 @@ class Pipeline:
         return out
 
     def close_stream(self) -> None:
-        self.held.take()          # frames held for reordering belong to the dead stream
+        self.outbound.close()     # frames held for reordering belong to the dead stream
         if self.call is not None:
             self.call.cancel()
             self.call = None

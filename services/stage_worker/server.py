@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from services.stage_worker.worker import StageWorker, StepOutcome
 from tether import grpcutil, settings
-from tether.faults import FaultInjector, HeldFrames
+from tether.faults import FaultInjector, OutboundFaults
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 class _StageFaults:
     """Where a stage applies its fault injector (tether/faults.py): on a frame's arrival (crash, forget_kv),
-    on each frame it forwards (delay, drop, duplicate, reorder, corrupt, swap_slots, cross_ids) and on each
-    reply it answers itself rather than relays (cross_ids, corrupt: on the last stage, the sampled tokens)."""
+    on each frame it forwards (through the relay's OutboundFaults: delay, drop, duplicate, reorder, corrupt,
+    swap_slots, cross_ids) and on each reply it answers itself rather than relays (cross_ids, corrupt: on the
+    last stage, the sampled tokens)."""
 
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
@@ -202,28 +203,6 @@ class _StageFaults:
         if rid is not None:
             log.info("fault injection: forgetting the state of %s", rid)
         return rid
-
-    async def send(self, relay: _Relay, frame: stage_pb2.Frame) -> None:
-        delay = self.injector.delay_s()
-        if delay:
-            await asyncio.sleep(delay)
-        for f in self.injector.outbound(frame, relay.held):
-            await relay.write_down(f)
-        if relay.held and relay.flush_task is None:
-            relay.flush_task = asyncio.create_task(self._flush_later(relay))
-        elif not relay.held and relay.flush_task is not None:
-            relay.flush_task.cancel()   # still asleep: the held frame went out behind this one
-            relay.flush_task = None
-
-    async def _flush_later(self, relay: _Relay) -> None:
-        """A held (reorder) frame whose successor did not come in time goes out alone, late."""
-        await asyncio.sleep(self.injector.config.hold_s)
-        relay.flush_task = None       # from here on, not cancellable by `send`: the frames are taken
-        try:
-            for f in self.injector.flush(relay.held):
-                await relay.write_down(f)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass  # the downstream broke: the reader reports it
 
     def reply(self, reply: stage_pb2.FrameReply) -> stage_pb2.FrameReply:
         return self.injector.reply(reply)
@@ -243,8 +222,7 @@ class _Relay:
         self.down_call = None
         self.down_reader: asyncio.Task | None = None
         self.write_lock = asyncio.Lock()                  # the pump and a reorder flush both write downstream
-        self.held = HeldFrames()                          # this stream's reorder buffer (fault injection)
-        self.flush_task: asyncio.Task | None = None
+        self.faulty: OutboundFaults | None = None        # the injector on this stream's downstream, when on
         self.failed = False
         self.last_activity = asyncio.get_running_loop().time()
 
@@ -287,8 +265,8 @@ class _Relay:
                     outcome = await loop.run_in_executor(self.svc.executor, self.svc.step, frame, forget)
                 await self._route(frame.stream_seq, outcome)
             if self.down_call is not None:
-                for f in self.held.take():   # the stream ends: a frame held for reorder goes now
-                    await self.write_down(f)
+                if self.faulty is not None:
+                    await self.faulty.drain()
                 await self.down_call.done_writing()
                 await self.down_reader
             await self.out.put(_DONE)
@@ -330,7 +308,9 @@ class _Relay:
         outcome.forward.stream_seq = self.down_seq   # before any fault: a duplicate or reorder shows in the seq
         self.pending[self.down_seq] = (seq, outcome.results)
         if self.svc.faults is not None:
-            await self.svc.faults.send(self, outcome.forward)
+            if self.faulty is None:
+                self.faulty = OutboundFaults(self.svc.faults.injector, self.write_down)
+            await self.faulty.send(outcome.forward)
         else:
             await self.write_down(outcome.forward)
 
@@ -357,8 +337,8 @@ class _Relay:
                             f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}")
 
     async def close(self) -> None:
-        if self.flush_task is not None:
-            self.flush_task.cancel()
+        if self.faulty is not None:
+            self.faulty.close()
         if self.down_reader is not None:
             self.down_reader.cancel()
         if self.down_call is not None:
