@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench clean
+.PHONY: help setup proto run test test-fast bench bench-chaos clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -32,6 +32,9 @@ test: setup  ## the whole test suite (unit + services on loopback)
 
 bench: setup  ## load sweep with audit against a cluster this target starts
 	$(BIN)/python -m tether.cli.main bench --spawn --sweep 1,2,4,8 --num-requests 32 --audit --baselines --slo ttft:1000,tpot:100 --out bench-out
+
+bench-chaos: setup  ## every fault kind alone, stamp checks on and off: injected / detected / recovered / failed / wrong
+	$(BIN)/python -m tether.cli.main bench --spawn --chaos all --concurrency 8 --num-requests 24 --out bench-out/chaos
 
 clean:  ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) tether/v1/*_pb2*.py tether/v1/*_pb2.pyi .pytest_cache

@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from tether import reference, settings
-from tether.bench import report, stats
-from tether.bench.runner import (DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, chaos_status,
-                                 stage_threads)
+from tether.bench import chaos, report, stats
+from tether.bench.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, stage_threads
 from tether.bench.workloads import WORKLOADS, LongSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
 
@@ -26,6 +25,8 @@ EPILOG = """examples:
   tether bench --target 127.0.0.1:50051 --concurrency 8 --duration 60 --slo ttft:1000,tpot:100
   tether bench --spawn --model small --workload synthetic --input-len 512 --output-len 128 --rate 2
   tether bench --spawn --concurrency 32 --baselines --repeats 3
+  tether bench --spawn --chaos all --concurrency 8 --num-requests 16
+  tether bench --target 127.0.0.1:50051 --coordinator 127.0.0.1:50052 --chaos --num-requests 32
 
 The report (report.json, report.md, requests.jsonl and PNG plots) goes to --out; docs/PERFORMANCE.md
 explains every figure. Timings on shared machines are noisy: compare ratios measured in one run."""
@@ -64,6 +65,17 @@ def _mix(text: str) -> dict[str, float]:
         return parse_mix(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _chaos(text: str) -> chaos.ChaosPlan:
+    try:
+        return chaos.parse_plan(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +154,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "--threads or cores divided among --stages)")
     g.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
                    help="baseline runs per side, interleaved; the report gives medians (default: %(default)s)")
-    g.add_argument("--chaos", action="store_true",
-                   help="report faults injected / detected / recovered / failed / wrong tokens per fault kind; "
-                        "needs a cluster with fault injection (the report says when it is unavailable)")
+    g = p.add_argument_group(
+        "chaos (fault injection; see docs/PERFORMANCE.md)",
+        "Per fault kind: faults injected, detected (rejections counted by the stages and the coordinator), "
+        "recovered (requests finished after a rebuild or resume), failed explicitly (client errors by gRPC "
+        "status) and wrong answers (completed requests the fidelity audit flags as MISMATCH; one per request), "
+        "with the stamp checks on and, through the experiment-only --unsafe-disable-stamp-checks of the "
+        "services, off.")
+    g.add_argument("--chaos", type=_chaos, nargs="?", const=chaos.parse_plan("all"), default=None,
+                   metavar="KINDS_OR_SPEC",
+                   help="with --spawn, after the levels: for each fault kind alone, start a fresh cluster with "
+                        "that fault on every stage (and --frame-timeout 3 on the coordinator), send it the first "
+                        "load level (--concurrency or --rate, --num-requests) of the workload without warm-up and "
+                        "audit every answer; then the same with --unsafe-disable-stamp-checks (experiment only) on "
+                        "every stage and the coordinator. Two cluster starts per kind. The value: "
+                        "'all' (the default when bare), kinds ('forget_kv,corrupt'), or a fault spec "
+                        "('drop=0.05,corrupt=0.1,seed=7'); a kind without a rate runs at "
+                        + ", ".join(f"{k}={r:g}" for k, r in chaos.DEFAULT_RATES.items())
+                        + f"; seed {chaos.DEFAULT_SEED} unless given. Against --target: needs --coordinator, "
+                        "injects nothing and ignores the value: it reports only the faults and checks that "
+                        "cluster was started with (the services' --faults and --unsafe-disable-stamp-checks), "
+                        "from Stats read before and after the levels, and audits every level")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="--chaos against --target: the running cluster's coordinator, whose Stats has the "
+                        "rejections, recoveries and its own injected faults (ignored with --spawn)")
+    g.add_argument("--stage-addresses", type=_addresses, default=[], metavar="HOST:PORT,...",
+                   help="--chaos against --target: the running cluster's stages, to count the faults they "
+                        "inject and the slots they reject too (default: none, only the coordinator's Stats)")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR",
                    help="directory for report.json, report.md, requests.jsonl and the plots (default: %(default)s)")
@@ -199,7 +235,17 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
             f"{report.fmt(b['hf']['output_token_throughput'])}; tether/engine {report.ratio_text(ratio['vs_engine'])}, "
             f"tether/transformers {report.ratio_text(ratio['vs_hf'])}")
     if rep["chaos"]["requested"]:
-        out(f"chaos: unavailable — {rep['chaos']['reason']}")
+        out("chaos (per fault kind: injected / detected / recovered / failed explicitly / wrong answers):")
+        header = ["kind", "checks ON", "checks OFF"]
+        def side(cells: list[str]) -> str:
+            return cells[0] if cells[0] == report.NOT_RUN else " / ".join(cells).replace("**", "")
+        rows = [[r[0], side(r[1:6]), side(r[6:11])] for r in report.chaos_rows(rep["chaos"]["rows"])]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        for row in [header, *rows]:
+            out("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        t = rep["chaos"]["totals"]
+        out(f"  wrong answers: {t['wrong_answers_checks_on']} with stamp checks on, "
+            f"{t['wrong_answers_checks_off']} with them off")
     mismatches = sum(lv["audit"]["mismatch"] for lv in rep["levels"] if lv["audit"])
     if mismatches:
         out(f"!! {mismatches} MISMATCH(ES): answers the model would not give to their request; see report.md")
@@ -209,6 +255,10 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    chaos.check_target_args(args)
+    target_chaos = args.chaos is not None and not args.spawn
+    if target_chaos:
+        args.audit = True     # wrong answers are what the audit finds
     try:
         lm = reference.load(args.model)
     except (FileNotFoundError, ValueError) as e:
@@ -226,14 +276,27 @@ def main(argv: list[str] | None = None) -> None:
             cluster.stop()
             raise SystemExit(f"tether bench: the cluster did not start: {e}") from None
     target = cluster.target if cluster else args.target
+    before: dict = {}
+
+    def read_before() -> None:
+        before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
+
     try:
-        rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos_status(args.chaos))
+        rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
         bench = Bench(args, target, lm, workload)
-        rep["levels"] = asyncio.run(bench.run_levels())
+        rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
+        if target_chaos:
+            after = chaos.read_stats(args.coordinator, args.stage_addresses)
+            rep["chaos"] = chaos.target_report(before, after, bench.records)
         if args.baselines:
             rep["baselines"] = bench.run_baselines()
     finally:
         if cluster is not None:
             cluster.stop()
+    if args.spawn and args.chaos is not None:
+        kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
+        print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
+              flush=True)
+        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
     files = report.write_all(rep, bench.records, args.out)
     print_summary(rep, files)

@@ -111,7 +111,7 @@ def markdown(report: dict) -> str:
                                           f"{m['params']}): {m['detail']} — prompt `{m['prompt']}`"
                                           for m in lv["audit"]["mismatches"]] + [""]
     out += _baselines_md(report.get("baselines"))
-    out += ["## Chaos", "", _chaos_md(report["chaos"]), ""]
+    out += ["## Chaos", "", *_chaos_md(report["chaos"]), ""]
     out += ["## Plots", ""]
     out += [f"![{p}]({p})" for p in report["plots"]] or [report["plots_note"]]
     return "\n".join(out) + "\n"
@@ -141,10 +141,73 @@ def ratio_text(r: float | None) -> str:
     return "–" if r is None else f"{r:.2f}×"
 
 
-def _chaos_md(chaos: dict) -> str:
+CHAOS_FIGURES = ("injected", "detected", "recovered", "failed explicitly", "wrong answers")
+
+
+NOT_RUN = "not run"
+
+
+def _chaos_side(cell: dict | None) -> list[str]:
+    if cell is None:
+        return [NOT_RUN] + ["–"] * 4
+    wrong = f"{cell['wrong_answers']} of {cell['completed']}"
+    stages, coordinator = sum(cell["detected_at_stages"].values()), sum(cell["detected_at_coordinator"].values())
+    detected = f"{cell['detected']} ({stages}+{coordinator})" if stages and coordinator else str(cell["detected"])
+    return [str(cell["injected"]), detected, str(cell["recovered"]), str(cell["failed"]),
+            f"**{wrong}**" if cell["wrong_answers"] else wrong]
+
+
+def chaos_rows(rows: list[dict]) -> list[list[str]]:
+    """Per fault kind: the five figures with the stamp checks on, then the five with them off."""
+    return [[r["kind"], *_chaos_side(r["on"]), *_chaos_side(r["off"])] for r in rows]
+
+
+def _chaos_details(side: str, cell: dict) -> str:
+    def counts(d: dict) -> str:
+        return ", ".join(f"{k} {v}" for k, v in d.items()) or "none"
+    text = (f"checks {side}: {cell['completed']}/{cell['requests']} done ({cell['exact']} exact, "
+            f"{cell['within_margin']} within margin, {cell['wrong_answers']} MISMATCH); "
+            f"injected {counts(cell['injected_by_kind'])}; "
+            f"rejected at the stages {counts(cell['detected_at_stages'])}; at the coordinator "
+            f"{counts(cell['detected_at_coordinator'])}; {cell['rebuilds']} rebuild(s), {cell['resumes']} resume(s), "
+            f"{cell['pipeline_reconnects']} reconnect(s); failed {counts(cell['failed_by_status'])}")
+    if cell.get("stage_exits"):
+        text += (f"; {cell['stage_crashes']} stage crash(es), each restarted by the bench"
+                 + (f" ({cell['failed_restarts']} relaunch(es) died before starting and were retried)"
+                    if cell.get("failed_restarts") else ""))
+    return text
+
+
+def _chaos_md(chaos: dict) -> list[str]:
     if not chaos["requested"]:
-        return "Not requested (pass `--chaos` against a cluster started with fault injection)."
-    return f"Unavailable: {chaos['reason']}"
+        return ["Not requested (`--chaos` with `--spawn`, or against a running cluster started with `--faults`: "
+                "`--chaos --coordinator HOST:PORT`)."]
+    if chaos["mode"] == "spawn":
+        plan = chaos["plan"]
+        intro = (f"Each fault kind ran alone on a freshly started cluster: stages `--faults KIND=RATE,seed="
+                 f"{plan['seed']}`, coordinator `{' '.join(chaos['coordinator_flags'])}`; then the "
+                 f"same with `{chaos['unsafe_flag']}` (experiment only) on every stage and the coordinator. "
+                 f"Load per run: {chaos['load']['budget']} at {chaos['load']['level']}, the same requests in every "
+                 f"run, no warm-up.")
+    else:
+        intro = f"Against the running cluster (coordinator {chaos['coordinator']}): {chaos['note']}."
+    header = ["fault kind"] + [f"{side}: {f}" for side in ("ON", "OFF") for f in CHAOS_FIGURES]
+    t = chaos["totals"]
+    out = [intro, "", *_table(header, chaos_rows(chaos["rows"])), "",
+           f"Wrong answers: **{t['wrong_answers_checks_on']}** with stamp checks on, "
+           f"**{t['wrong_answers_checks_off']}** with them off.", "",
+           "injected: faults the injectors applied (Stats `faults_injected`; a crash as the stage exit the bench "
+           "saw); detected: rejections counted by the stages plus those counted by the coordinator, in brackets "
+           "when both counted some (a slot a stage rejects is counted there and again at the coordinator that "
+           "rebuilds it, so this counts detections, not distinct faults); recovered: requests finished after a "
+           "rebuild or resume; failed explicitly: requests that ended in a gRPC error; wrong answers: completed "
+           "requests the audit flags as MISMATCH (one per request, however many of its tokens are wrong), of the "
+           "completed ones.", ""]
+    for row in chaos["rows"]:
+        rates = chaos.get("plan", {}).get("rates", {})
+        name = f"`{row['kind']}`" + (f" (rate {rates[row['kind']]:g})" if row["kind"] in rates else "")
+        out += [f"- {name}: " + "; ".join(_chaos_details(side, row[side]) for side in ("on", "off") if row[side])]
+    return out
 
 
 def write_plots(report: dict, records: list[RequestRecord], out_dir: Path) -> tuple[list[str], str]:

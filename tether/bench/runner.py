@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Callable
 
 from tether import reference, settings
 from tether.bench import audit, baselines, loadgen, stats
@@ -13,26 +14,12 @@ from tether.bench.progress import Progress
 from tether.bench.records import BREAKDOWN_TAGS, RequestRecord
 from tether.bench.workloads import Workload
 from tether.client import AsyncClient
-from tether.v1 import coordinator_pb2
 
 DEFAULT_NUM_REQUESTS = 32
 DEFAULT_CONCURRENCY = 8
 # The audit needs no parallelism, and on a shared 2-core machine two OpenMP threads collapse as soon as
 # another process takes a core (measured: 1.2 s instead of 15 ms per token on `small`).
 AUDIT_THREADS = 1
-
-
-def chaos_status(requested: bool) -> dict:
-    """Whether fault counters can be reported. The coordinator's Stats is where the fault injector (the
-    integrity issue) will publish them; as long as it has no fault fields there is nothing to report."""
-    fields = [f for f in coordinator_pb2.StatsReply.DESCRIPTOR.fields_by_name if "fault" in f]
-    if fields:
-        reason = (f"the coordinator publishes fault counters ({', '.join(fields)}) but this version of "
-                  f"`tether bench` does not read them yet")
-    else:
-        reason = ("this build of tether has no fault injector: the coordinator's Stats carries no fault counters. "
-                  "Chaos figures arrive with the integrity issue's injector; no zeros are reported in their place")
-    return dict(requested=requested, available=False, reason=reason)
 
 
 def ratio(ours: list[float], theirs: list[float]) -> float | None:
@@ -91,10 +78,14 @@ class Bench:
             raise SystemExit(f"tether bench: the cluster at {self.target} serves model {served}, but --model "
                              f"{self.args.model} is {self.lm.fingerprint}; pass the served model with --model")
 
-    async def run_levels(self) -> list[dict]:
+    async def run_levels(self, after_warm_up: Callable[[], None] | None = None) -> list[dict]:
+        """Warm up, call `after_warm_up` (chaos against --target reads the cluster's counters there), then run
+        every level."""
         out = []
         async with AsyncClient(self.target, timeout=self.args.timeout) as client:
             await self.warm_up(client)
+            if after_warm_up is not None:
+                after_warm_up()
             for level in levels_of(self.args):
                 load_before = os.getloadavg()[0]
                 # Every level sends the same request sequence with the same arrival pattern (scaled to its
@@ -116,6 +107,13 @@ class Bench:
                     summary=stats.level_summary(run.records, run.wall_s, slo),
                     by_workload=stats.breakdown(run.records, lambda r: r.request.workload, run.wall_s, slo),
                     by_tag=by_tag, audit=audit_json)
+
+    async def chaos_load(self, target: str, level: loadgen.Level, budget: loadgen.Budget,
+                         label: str) -> loadgen.LevelRun:
+        """One chaos run's load on the cluster at `target`: no warm-up (every request counts), and the same
+        request sequence for every run, so runs differ only in their faults."""
+        async with AsyncClient(target, timeout=self.args.timeout) as client:
+            return await self.level(client, level, budget, "chaos", label)
 
     def run_baselines(self) -> dict:
         a = self.args

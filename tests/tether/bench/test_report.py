@@ -13,7 +13,7 @@ from tether.bench.audit import AuditSummary
 from tether.bench.cli import print_summary
 from tether.bench.progress import Progress
 from tether.bench.records import BREAKDOWN_TAGS, RequestRecord
-from tether.bench.runner import chaos_status
+from tether.bench.chaos import not_requested
 from tether.bench.workloads import BenchRequest
 
 
@@ -43,7 +43,7 @@ def build(levels: list[tuple[float, list[RequestRecord], AuditSummary | None]], 
                 spawned=True, model="tiny", model_fingerprint="abc", stages=2, stage_threads=1,
                 machine=dict(cores=2, torch="2.13.0", python="3.11", platform="linux"), load_average_start=0.1,
                 workload=dict(mix="single:1", seed=0), budget="6 requests", warmup=1, timeout_s=10.0, slo=slo)
-    rep = dict(meta=meta, chaos=chaos_status(True), levels=lv)
+    rep = dict(meta=meta, chaos=not_requested(), levels=lv)
     if baselines:
         rep["baselines"] = baselines
     return rep
@@ -67,12 +67,12 @@ def test_every_report_file_is_written(tmp_path):
     assert data["levels"][0]["summary"]["errors_by_status"] == {"UNAVAILABLE": 1}
     assert data["levels"][1]["audit"]["exact"] == 5
     assert data["baselines"]["ratios"]["vs_engine"] == 0.5
-    assert data["chaos"] == {"requested": True, "available": False, "reason": data["chaos"]["reason"]}
+    assert data["chaos"] == {"requested": False, "available": False, "reason": data["chaos"]["reason"]}
     lines = (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 12 and json.loads(lines[0])["prompt"] == "prompt 0"
     md = (tmp_path / "out" / "report.md").read_text()
     for text in ("## Summary", "| rate 1/s | 5/6 |", "TTFT ≤ 200 ms", "By intent tag `language`", "By workload",
-                 "tether / engine = **0.50×**", "tether / transformers = **2.00×**", "## Chaos\n\nUnavailable: "):
+                 "tether / engine = **0.50×**", "tether / transformers = **2.00×**", "## Chaos\n\nNot requested"):
         assert text in md, text
     assert "MISMATCH(ES) FOUND" not in md
     if _has_matplotlib():
