@@ -8,6 +8,7 @@ import asyncio
 from services.admission.server import AdmissionServicer, track_readiness
 from services.admission.validate import ModelLimits
 from tether import settings
+from tether.procutil import follow_parent
 from tether.grpcutil import Server, channel, configure_logging
 from tether.model.config import ModelConfig
 from tether.model.loader import load_model_tokenizer, model_fingerprint, resolve_model
@@ -72,5 +73,6 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    follow_parent()
     configure_logging("admission", args.log_level)
     asyncio.run(serve(args))

@@ -10,6 +10,7 @@ from services.coordinator.engine import Engine
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, settings
+from tether.procutil import follow_parent
 from tether.faults import KINDS, FaultConfig, FaultInjector
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
@@ -94,6 +95,7 @@ async def _mirror_health(engine: Engine, server: grpcutil.Server) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    follow_parent()
     grpcutil.configure_logging("coordinator", args.log_level)
     try:
         if args.faults is not None:

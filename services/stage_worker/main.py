@@ -12,6 +12,7 @@ import torch
 from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import StageWorker
 from tether import grpcutil, settings
+from tether.procutil import follow_parent
 from tether.faults import KINDS, FaultConfig, FaultInjector
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
@@ -85,6 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    follow_parent()
     try:
         args.fault_config = FaultConfig.parse(args.faults)
     except ValueError as e:

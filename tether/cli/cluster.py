@@ -2,13 +2,12 @@
 
 Each service is its own process talking gRPC on loopback, launched with exactly the command a container
 runs (see docker-compose.yml). Readiness is the admission's gRPC health (SERVING only once the coordinator
-has assembled its pipeline), never a sleep. Children die with the parent (PR_SET_PDEATHSIG) and are
+has assembled its pipeline), never a sleep. Children die with the parent (tether/procutil.py) and are
 stopped with SIGTERM, then SIGKILL after a grace period: no orphans.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -23,18 +22,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import settings
+from tether.procutil import PARENT_ENV
 from tether.model.config import ModelConfig, even_split
 from tether.model.loader import resolve_model
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: stop() still cleans up on a normal exit
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -124,9 +114,9 @@ class LocalCluster:
             svc.log_path = self.log_dir / f"{svc.name}.log"
             out = open(svc.log_path, "ab")
         # Passive OpenMP waits: spinning threads starve the other services sharing the machine's cores.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    env=env, preexec_fn=_die_with_parent, cwd=_repo_root())
+                                    env=env, cwd=_repo_root())
         if out is not None:
             out.close()
 

@@ -1,0 +1,45 @@
+"""Services started by a launcher die with it, even when the launcher is SIGKILLed (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CHILD = ("from tether.procutil import follow_parent; follow_parent(); print('ready', flush=True); "
+         "import time; time.sleep(120)")
+LAUNCHER = f"""
+import os, subprocess, sys
+env = dict(os.environ, TETHER_PARENT_PID=str(os.getpid()))
+child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], env=env, stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"   # past follow_parent()
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_child_dies_when_its_launcher_is_killed():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())      # printed once the child has asked to die with it
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the service outlived its launcher"
+
+
+def test_a_service_whose_launcher_is_already_gone_exits():
+    env = dict(os.environ, TETHER_PARENT_PID="1")   # not our parent: as if the launcher died first
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "launcher exited" in out.stderr
