@@ -68,6 +68,7 @@ class Engine:
         self.status = "connecting"
         self.down_since: float | None = None          # set while recovering in-flight requests
         self.counters = Counters()
+        self._background: set[asyncio.Task] = set()
 
     # --- requests ---------------------------------------------------------------------------------------
     def submit(self, req: Request) -> asyncio.Queue:
@@ -165,7 +166,9 @@ class Engine:
             self.wake.clear()
             if self.to_release:
                 ids, self.to_release = self.to_release, []
-                asyncio.create_task(self.pipeline.release(ids))
+                task = asyncio.create_task(self.pipeline.release(ids))
+                self._background.add(task)            # held so it is not collected mid-flight
+                task.add_done_callback(self._background.discard)
             while batch := self.sched.next_batch():
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed) for r in batch]
