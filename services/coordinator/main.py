@@ -11,7 +11,7 @@ from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, settings
 from tether.procutil import follow_parent
-from tether.faults import KINDS, FaultConfig, FaultInjector
+from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
 from tether.v1 import coordinator_pb2_grpc
@@ -45,12 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rebuilds", type=int, default=settings.MAX_REBUILDS,
                    help="times one request's state may be replayed after integrity failures before it fails "
                         "with ABORTED (default: %(default)s)")
-    p.add_argument("--faults", default=None,
-                   help="fault injection on the frames this coordinator sends, e.g. 'drop=0.02,corrupt=0.05,"
-                        "seed=7' (kinds: " + ", ".join(KINDS) + "); default: $" + settings.FAULTS_ENV + ", else off")
-    p.add_argument("--unsafe-disable-stamp-checks", action="store_true",
-                   help="EXPERIMENT ONLY: append tokens without checking their echoed stamps, to reproduce the "
-                        "wrong answers tether exists to prevent. Never use it to serve.")
+    add_experiment_flags(p, "the frames this coordinator sends")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
@@ -60,11 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
-    faults = FaultConfig.parse(args.faults) if args.faults is not None else FaultConfig.from_env()
-    if args.unsafe_disable_stamp_checks:
-        log.warning("STAMP CHECKS DISABLED (--unsafe-disable-stamp-checks): tokens are appended unverified; "
-                    "this coordinator can deliver wrong answers. Experiment only.")
-    pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(faults))
+    pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config))
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
@@ -94,12 +85,12 @@ async def _mirror_health(engine: Engine, server: grpcutil.Server) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     follow_parent()
     grpcutil.configure_logging("coordinator", args.log_level)
+    args.fault_config = experiment_config(parser, args, log)
     try:
-        if args.faults is not None:
-            FaultConfig.parse(args.faults)   # a bad spec is a usage error, before anything starts
         asyncio.run(serve(args))
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SystemExit(f"tether coordinator: {e}")

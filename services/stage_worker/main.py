@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 import torch
 
@@ -13,7 +12,7 @@ from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import StageWorker
 from tether import grpcutil, settings
 from tether.procutil import follow_parent
-from tether.faults import KINDS, FaultConfig, FaultInjector
+from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
 
@@ -45,14 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle", type=float, default=settings.STREAM_IDLE_S, metavar="SECONDS",
                    help="close a Forward stream with no frame in and no reply out for this long "
                         "(default: %(default)s)")
-    p.add_argument("--faults", default=os.environ.get(settings.FAULTS_ENV, ""), metavar="SPEC",
-                   help="inject faults into this stage's traffic, e.g. 'drop=0.02,corrupt=0.05,delay=0.1,"
-                        f"delay_ms=50,seed=7'; kinds: {', '.join(KINDS)} (rates are probabilities per frame). "
-                        f"Default: ${settings.FAULTS_ENV}, off when empty. For chaos tests only")
-    p.add_argument("--unsafe-disable-stamp-checks", action="store_true",
-                   help="EXPERIMENT ONLY, NEVER IN SERVING: skip the payload digest, stream sequence and per-slot "
-                        "stamp / KV-tag checks, so that frames run on whatever state this stage holds. It exists "
-                        "only to reproduce the wrong answers those checks prevent (run it with --faults)")
+    add_experiment_flags(p, "this stage's traffic (the frames it forwards, the replies it answers)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
 
@@ -87,21 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     follow_parent()
-    try:
-        args.fault_config = FaultConfig.parse(args.faults)
-    except ValueError as e:
-        parser.error(f"--faults: {e}")
     if args.max_streams < 1 or args.stream_idle <= 0:
         parser.error("--max-streams must be >= 1 and --stream-idle > 0")
     grpcutil.configure_logging("stage", args.log_level)
-    if args.unsafe_disable_stamp_checks:
-        log.warning("!" * 100)
-        log.warning("STAMP CHECKS ARE DISABLED (--unsafe-disable-stamp-checks). This stage will run frames on "
-                    "whatever state it holds and CAN RETURN ANOTHER REQUEST'S OR GARBLED TOKENS. Experiment "
-                    "only: never serve traffic like this.")
-        log.warning("!" * 100)
-    if args.fault_config.enabled:
-        log.warning("fault injection ON: %s", args.fault_config.spec())
+    args.fault_config = experiment_config(parser, args, log)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
