@@ -9,7 +9,6 @@ PROTOCOL_VERSION = 1
 ADMISSION_PORT = 50051
 COORDINATOR_PORT = 50061
 STAGE_BASE_PORT = 50071
-METRICS_PORT_OFFSET = 1000  # a service's Prometheus port = its gRPC port + this (0 disables)
 
 DEFAULT_MODEL = "tiny"
 
