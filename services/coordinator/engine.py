@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -53,13 +54,14 @@ class Engine:
     def __init__(self, pipeline: Pipeline, max_slots: int = settings.MAX_BATCH_SLOTS,
                  max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
                  recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS,
-                 stamp_checks: bool = True):
+                 stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
         self.frame_timeout_s = frame_timeout_s
         self.recovery_window_s = recovery_window_s
         self.max_rebuilds = max_rebuilds
         self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
+        self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
         self.to_release: list[str] = []
@@ -112,6 +114,8 @@ class Engine:
                 self._unavailable(str(e))
                 await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
                 continue
+            if self.on_serving is not None:
+                await self.on_serving(True)   # health first: whoever sees `serving` finds health agreeing
             self.serving, self.status = True, "serving"
             log.info("pipeline serving: %s", ", ".join(
                 f"{s.address}[{s.layer_start},{s.layer_end})" for s in self.pipeline.stages))
@@ -129,10 +133,21 @@ class Engine:
             self.pipeline.close_stream()
             await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
 
+    def _not_serving(self) -> None:
+        if self.serving and self.on_serving is not None:
+            self._spawn(self.on_serving(False))
+        self.serving = False
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)            # held so it is not collected mid-flight
+        task.add_done_callback(self._background.discard)
+
     def _broken(self, why: str) -> None:
         """The stream broke: keep requests, forget frames in flight (their outcome is unknown until a sync)."""
         log.warning("pipeline broken, recovering: %s", why)
-        self.serving, self.status = False, f"recovering: {why}"
+        self._not_serving()
+        self.status = f"recovering: {why}"
         if self.down_since is None:
             self.down_since = time.monotonic()
         for _, batch in self.frames.values():
@@ -145,7 +160,7 @@ class Engine:
         """No pipeline: fail queued work at once, in-flight work once the recovery window has passed."""
         if self.serving or self.status != why:
             log.warning("pipeline down: %s", why)
-        self.serving = False
+        self._not_serving()
         self.status = why if self.down_since is None else f"recovering: {why}"
         expired = self.down_since is None or time.monotonic() - self.down_since > self.recovery_window_s
         for req in list(self.sched.waiting) + (list(self.sched.running.values()) if expired else []):
@@ -166,9 +181,7 @@ class Engine:
             self.wake.clear()
             if self.to_release:
                 ids, self.to_release = self.to_release, []
-                task = asyncio.create_task(self.pipeline.release(ids))
-                self._background.add(task)            # held so it is not collected mid-flight
-                task.add_done_callback(self._background.discard)
+                self._spawn(self.pipeline.release(ids))
             while batch := self.sched.next_batch():
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed) for r in batch]

@@ -56,32 +56,21 @@ async def serve(args: argparse.Namespace) -> None:
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
     pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config))
-    engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
-                    args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
+    engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
+                    args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
+                    on_serving=server.set_serving)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint), server.server)
     await server.start()
     await server.set_serving(False)
     loop_task = asyncio.create_task(engine.run())
-    health_task = asyncio.create_task(_mirror_health(engine, server))
     print(f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})", flush=True)
     try:
         await server.wait_for_signal()
     finally:
         loop_task.cancel()
-        health_task.cancel()
         await pipeline.close()
-
-
-async def _mirror_health(engine: Engine, server: grpcutil.Server) -> None:
-    """Health says SERVING only while the pipeline is assembled and carrying frames."""
-    last = None
-    while True:
-        if engine.serving != last:
-            last = engine.serving
-            await server.set_serving(last)
-        await asyncio.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> None:
