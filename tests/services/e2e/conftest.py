@@ -11,14 +11,6 @@ from tether.cli.cluster import LocalCluster
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"))
-    c.start(timeout=180)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def _held(cluster: LocalCluster, request_id: str) -> list[bool]:

@@ -65,13 +65,18 @@ def _counts(cluster: LocalCluster, stages: int) -> tuple[Counter, Counter]:
     return injected, detected
 
 
-def _cluster(tmp_path, stages: int, stage_faults: str = "", coordinator_faults: str = "") -> LocalCluster:
+def _chaos(tmp_path, stages: int, stage_faults: str = "", coordinator_faults: str = ""):
+    """Start a cluster with these faults, send CASES, stop it: (exact, wrong, failures, injected, detected)."""
     extra = {"coordinator": ["--frame-timeout", "3", "--max-rebuilds", "8"]}
     if stage_faults:
         extra["stage"] = ["--faults", stage_faults]
     if coordinator_faults:
         extra["coordinator"] += ["--faults", coordinator_faults]
-    return LocalCluster(model="tiny", stages=stages, threads=1, log_dir=tmp_path, extra=extra).start(timeout=180)
+    cluster = LocalCluster(model="tiny", stages=stages, threads=1, log_dir=tmp_path, extra=extra).start(timeout=180)
+    try:
+        return (*_run(cluster), *_counts(cluster, stages))
+    finally:
+        cluster.stop()
 
 
 # A lost or reordered frame also fails the next frame on that hop (BAD_SEQUENCE) and costs its requests a
@@ -83,12 +88,8 @@ RATES = {"drop": 0.05, "reorder": 0.05}
 @pytest.mark.parametrize("kind", ["drop", "duplicate", "reorder", "delay", "corrupt", "swap_slots", "cross_ids",
                                   "forget_kv"])
 def test_each_stage_fault_kind_is_detected_and_never_delivers_a_wrong_token(tmp_path, kind):
-    cluster = _cluster(tmp_path, 2, stage_faults=f"{kind}={RATES.get(kind, 0.15)},seed=11,delay_ms=30")
-    try:
-        exact, wrong, failures = _run(cluster)
-        injected, detected = _counts(cluster, 2)
-    finally:
-        cluster.stop()
+    exact, wrong, failures, injected, detected = _chaos(
+        tmp_path, 2, stage_faults=f"{kind}={RATES.get(kind, 0.15)},seed=11,delay_ms=30")
     assert wrong == 0
     assert exact + sum(failures.values()) == len(CASES)
     assert exact > 0, f"no request survived {kind}: recovery is not working"
@@ -99,26 +100,18 @@ def test_each_stage_fault_kind_is_detected_and_never_delivers_a_wrong_token(tmp_
 
 
 def test_coordinator_side_faults(tmp_path):
-    cluster = _cluster(tmp_path, 2, coordinator_faults="drop=0.05,duplicate=0.05,reorder=0.05,corrupt=0.05,"
-                                                       "cross_ids=0.05,swap_slots=0.05,seed=5")
-    try:
-        exact, wrong, failures = _run(cluster)
-        injected, detected = _counts(cluster, 2)
-    finally:
-        cluster.stop()
+    exact, wrong, failures, injected, detected = _chaos(
+        tmp_path, 2, coordinator_faults="drop=0.05,duplicate=0.05,reorder=0.05,corrupt=0.05,cross_ids=0.05,"
+                                        "swap_slots=0.05,seed=5")
     assert wrong == 0 and exact + sum(failures.values()) == len(CASES)
     assert sum(injected.values()) > 0 and sum(detected.values()) >= sum(
         n for k, n in injected.items() if k in HARMFUL)
 
 
 def test_every_fault_at_once_through_three_stages(tmp_path):
-    cluster = _cluster(tmp_path, 3, stage_faults="drop=0.03,duplicate=0.03,reorder=0.03,delay=0.05,corrupt=0.03,"
-                                                 "swap_slots=0.03,cross_ids=0.03,forget_kv=0.03,seed=3,delay_ms=20")
-    try:
-        exact, wrong, failures = _run(cluster)
-        injected, _ = _counts(cluster, 3)
-    finally:
-        cluster.stop()
+    exact, wrong, failures, injected, _ = _chaos(
+        tmp_path, 3, stage_faults="drop=0.03,duplicate=0.03,reorder=0.03,delay=0.05,corrupt=0.03,swap_slots=0.03,"
+                                  "cross_ids=0.03,forget_kv=0.03,seed=3,delay_ms=20")
     assert wrong == 0 and exact + sum(failures.values()) == len(CASES)
     assert sum(injected.values()) > 0
 

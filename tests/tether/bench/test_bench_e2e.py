@@ -18,21 +18,12 @@ from tether.bench.baselines import torch_threads
 from tether.bench.cli import build_parser
 from tether.bench.cli import main as bench_main
 from tether.bench.workloads import BenchRequest
-from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 from tether.model.loader import resolve_model
 
 TETHER = [sys.executable, "-m", "tether.cli.main"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"))
-    c.start(timeout=180)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_help_explains_every_option():
