@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from tether.kv.cache import KVCache
+from tether.kv.paged import PagedKV
 from tether.protocol.hashing import ContextHasher
 from tether.v1 import stage_pb2
 
@@ -30,7 +31,7 @@ class RequestState:
     request_id: str
     epoch: int
     hasher: ContextHasher
-    kv: KVCache
+    kv: KVCache | PagedKV
     kv_tag: int                        # context hash the KV buffers were last written for
     last_used: float = field(default_factory=time.monotonic)
 
@@ -54,7 +55,7 @@ class StageState:
     """All requests' state on one stage, keyed by request id."""
 
     def __init__(self, new_kv, max_context: int, checks: bool = True) -> None:
-        self._new_kv = new_kv          # callable(owner: str) -> KVCache
+        self._new_kv = new_kv          # callable(owner: str) -> KVCache | PagedKV
         self.max_context = max_context
         # False only under --unsafe-disable-stamp-checks: an experiment that reproduces what a pipeline
         # without stamps does (trust the frame's position, run on whatever state is there). Never a default.

@@ -34,15 +34,6 @@ def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
                            parent_hash=stamp.parent_hash, context_hash=stamp.context_hash)
 
 
-def _zero_gap(kv, start: int, end: int) -> None:
-    """Zero KV rows start..end-1: with the checks off a slot may start past what the stage holds, and the rows
-    in between must read as zeros (wrong state, as in a pipeline without stamps), never as uninitialised
-    memory that could hold NaN."""
-    for k, v in zip(kv.k, kv.v):
-        k[:, start:end] = 0
-        v[:, start:end] = 0
-
-
 def frame_digest(frame: stage_pb2.Frame) -> int:
     return payload_digest(frame.activations.data, [s.stamp.context_hash for s in frame.slots])
 
@@ -111,7 +102,10 @@ class StageWorker:
                     self.state.abandon(a)
                     raise Rejected(R.NO_CAPACITY, str(e)) from None
                 if a.position > a.state.kv.length:
-                    _zero_gap(a.state.kv, a.state.kv.length, a.position)   # only without the checks
+                    # Only without the checks: a slot may start past what the stage holds, and the rows in
+                    # between must read as zeros (wrong state, as in a pipeline without stamps), never as
+                    # whatever an earlier failed step left there.
+                    a.state.kv.zero(a.state.kv.length, a.position)
                 admitted.append((slot, a, row))
             except Rejected as e:
                 out.results.append(self.reject(slot, e.reason, e.detail))

@@ -1,7 +1,7 @@
-"""KV cache of one request on one model slice, and the pool that bounds a stage's KV memory.
+"""The pool that bounds a stage's KV memory, and the contiguous per-request KV of the plain kernels.
 
-Each request owns its buffers outright (no block table to cross between requests); the owner tag that
-travels with the buffers is checked against the request's stamp chain before every use.
+With batch invariance on (the default) requests hold blocks of a paged arena instead (tether/kv/paged.py).
+Either way the owner tag that travels with a request's KV is checked against its stamp chain before use.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  pool: KVPool | None = None, owner: str = "", block: int = 64) -> None:
-        self.block = block          # capacity is a multiple of it; attention reads whole blocks
+        self.block = block          # capacity grows in multiples of it
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -73,19 +73,16 @@ class KVCache:
         self.capacity = new_cap
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v ([kv_heads, n, head_dim]) at positions start..; zero the rest of the last block, so
-        whole-block reads never meet garbage (a masked key still multiplies its value by zero)."""
+        """Store k/v ([kv_heads, n, head_dim]) at positions start.."""
         end = start + k.shape[1]
-        block_end = min(-(-end // self.block) * self.block, self.capacity)
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
-        self.k[layer][:, end:block_end] = 0
-        self.v[layer][:, end:block_end] = 0
 
-    def blocks(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the whole blocks covering positions 0..length-1 (views, no copy)."""
-        end = -(-length // self.block) * self.block
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+    def zero(self, start: int, end: int) -> None:
+        """Zero positions start..end-1 in every layer."""
+        for k, v in zip(self.k, self.v):
+            k[:, start:end] = 0
+            v[:, start:end] = 0
 
     def release(self) -> None:
         if self.pool is not None and self.num_layers:

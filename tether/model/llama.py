@@ -2,7 +2,9 @@
 
 A ModelSlice holds layers [layer_start, layer_end) plus, on the first stage, the embedding and, on the
 last, the final norm and LM head. One forward call runs a micro-batch of slots: the linear layers see all
-rows at once, attention runs per slot over that slot's own KV cache only.
+rows at once; each slot's queries attend to that slot's own keys only. With batch invariance on (the
+default) keys live in a paged arena and attention runs as batched tiles (tether/model/invariant.py); off,
+each request has its own contiguous KV and attention is one SDPA call per slot.
 """
 
 from __future__ import annotations
@@ -15,20 +17,18 @@ from torch import nn
 
 from tether import settings
 from tether.kv.cache import KVCache
+from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import BlockMask, block_attention, pad_rows, padded_rows
+from tether.model.invariant import AttentionPlan, Scratch, pad_rows, padded_rows, tile_attention
 
 
 @dataclass
 class SlotRows:
     """Which rows of a micro-batch belong to one request, and where they sit in its context."""
 
-    kv: KVCache
+    kv: KVCache | PagedKV
     start: int      # position of the slot's first row
     length: int     # number of rows
-    # Set by ModelSlice.forward when batch invariance is on: (first row, rows, mask) per group of query
-    # rows; a group reads only the key blocks its last row can see (the causal half, not the square).
-    masks: list[tuple[int, int, BlockMask]] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -78,34 +78,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: list[SlotRows], layer: int) -> torch.Tensor:
+                slots: list[SlotRows], layer: int, plan: AttentionPlan | None) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if plan is not None:
+            return self.o_proj(tile_attention(q, k, v, layer, plan))
+        return self.o_proj(self._per_slot(q, k, v, slots, layer).transpose(0, 1).reshape(n, -1))
+
+    def _per_slot(self, q, k, v, slots: list[SlotRows], layer: int) -> torch.Tensor:
+        """The plain kernels: one SDPA call per request over its contiguous KV. q: [n, heads, d] -> [heads, n, d]."""
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         out = torch.zeros_like(q)   # padding rows (past the slots) stay zero
         row = 0
         for s in slots:  # each request attends to its own keys only
             rows = slice(row, row + s.length)
             s.kv.write(layer, s.start, k[:, rows], v[:, rows])
             total = s.start + s.length
-            if s.masks is not None:
-                for first, count, mask in s.masks:
-                    keys, values = s.kv.blocks(layer, s.start + first + count)
-                    at = slice(row + first, row + first + count)
-                    out[:, at] = block_attention(q[:, at], keys, values, mask)
-            else:
-                keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
-                mask = None
-                if s.length > 1:
-                    mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
-                out[:, rows] = F.scaled_dot_product_attention(
-                    q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                    attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
+            keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
+            mask = None
+            if s.length > 1:
+                mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
+            out[:, rows] = F.scaled_dot_product_attention(
+                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
             row += s.length
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        return out
 
 
 class MLP(nn.Module):
@@ -127,8 +128,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer)
+    def forward(self, x, cos, sin, slots, layer, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,6 +158,8 @@ class ModelSlice(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.arena: BlockArena | None = None   # paged KV of every request on this slice (made on first use)
+        self.scratch = Scratch()                # attention's buffers, reused step to step (one step at a time)
         self.to(dtype)
         self.requires_grad_(False)
 
@@ -164,31 +167,36 @@ class ModelSlice(nn.Module):
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
-    def new_kv(self, pool=None, owner: str = "") -> KVCache:
-        return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool, owner,
-                       block=settings.ATTENTION_BLOCK)
+    def new_kv(self, pool=None, owner: str = "") -> KVCache | PagedKV:
+        """Empty KV state for one request: paged in the arena with batch invariance on, contiguous off."""
+        if not self.batch_invariant:
+            return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool,
+                           owner)
+        if self.arena is None:
+            self.arena = BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
+                                    settings.ATTENTION_BLOCK)
+        return PagedKV(self.arena, pool, owner)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
         """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
 
-        Each slot's KV must already have room (`kv.ensure`); on success the caller advances `kv.length`.
-        With batch invariance on, rows are padded (see tether/model/invariant.py) and the padding dropped.
+        Each slot's KV must come from `new_kv` and already have room (`kv.ensure`); on success the caller
+        advances `kv.length`. With batch invariance on, rows are padded (tether/model/invariant.py) and the
+        padding dropped.
         """
         rows = inputs.shape[0]
         prows = padded_rows(rows) if self.batch_invariant else rows
-        group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        for s in slots:   # built once per step, shared by every layer
-            s.masks = None if not self.batch_invariant else [
-                (first, min(s.kv.block, s.length - first),
-                 BlockMask.build(s.start + first, min(s.kv.block, s.length - first), group, s.kv.block))
-                for first in range(0, s.length, s.kv.block)]
+        plan = None
+        if self.batch_invariant:   # built once per step, shared by every layer
+            plan = AttentionPlan.build(slots, prows, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
+                                       self.scratch)
         x = self.embed_tokens(pad_rows(inputs, prows)) if self.has_embedding else pad_rows(inputs.to(self.dtype), prows)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
         cos, sin = self.rotary.cos_sin(pad_rows(positions, prows), self.dtype)
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, i)
+            x = layer(x, cos, sin, slots, i, plan)
         return x[:rows]
 
     @torch.inference_mode()

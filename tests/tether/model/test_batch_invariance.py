@@ -112,3 +112,37 @@ def test_neighbours_and_threads_do_not_change_a_bit(full, case, threads):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, want)
+
+
+# --- the torch kernels the tiles rely on (a torch upgrade that breaks one fails here, by name) -----------------
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows,inner,cols", [(4, 32, 64), (8, 64, 64), (128, 32, 64), (8, 64, 32), (128, 64, 64)])
+def test_each_matrix_of_a_bmm_is_the_same_gemm_alone(threads, rows, inner, cols):
+    from tether.model.invariant import padded_rows
+    rows = padded_rows(rows)
+    g = torch.Generator().manual_seed(rows * inner + cols)
+    a, b = torch.randn(70, rows, inner, generator=g), torch.randn(70, inner, cols, generator=g)
+    together = torch.matmul(a, b)
+    for n in (1, 3, 17):
+        assert torch.equal(torch.matmul(a[:n], b[:n]), together[:n])
+    assert all(torch.equal(torch.matmul(a[i:i + 1], b[i:i + 1])[0], together[i]) for i in range(0, 70, 7))
+
+
+def test_index_add_sums_each_destination_in_index_order_from_its_initial_value(threads):
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(300, 4, 8, 32, generator=g) * torch.logspace(-6, 6, 300)[:, None, None, None]
+    index = torch.sort(torch.randint(0, 40, (300,), generator=g)).values
+    got = torch.zeros(40, 4, 8, 32).index_add_(0, index, src)
+    want = torch.zeros(40, 4, 8, 32)
+    for i in range(300):          # one float add after another, in index order
+        want[index[i]] = want[index[i]] + src[i]
+    assert torch.equal(got, want)

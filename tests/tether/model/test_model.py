@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tether.kv.cache import KVCache
+from tether.kv.paged import PagedKV
 from tether.model import loader
 from tether.model.config import ModelConfig, even_split, parse_layers
 from tether.model.llama import ModelSlice, SlotRows
@@ -60,6 +61,14 @@ class SpyKV(KVCache):
         return super().write(layer, start, k, v)
 
 
+@pytest.fixture(scope="module")
+def plain(tiny) -> ModelSlice:
+    """The plain kernels: contiguous per-request KV, one SDPA call per slot."""
+    m = load_slice(tiny)
+    m.batch_invariant = False
+    return m
+
+
 def spy_kv(model: ModelSlice) -> SpyKV:
     return SpyKV(model.num_layers, model.cfg.num_key_value_heads, model.cfg.head_dim, model.dtype)
 
@@ -68,6 +77,18 @@ def poison(kv: KVCache) -> None:
     """Fill every buffer (including capacity past the length) with NaN."""
     for t in (*kv.k, *kv.v):
         t.fill_(float("nan"))
+
+
+def held(kv: PagedKV) -> list[torch.Tensor]:
+    """Copies of the arena blocks a paged request holds, per layer, K then V."""
+    index = torch.tensor(kv.blocks)
+    return [t.index_select(0, index) for t in (*kv.arena.k, *kv.arena.v)]
+
+
+def others(kv: PagedKV, mine: list[int]) -> list[torch.Tensor]:
+    """Copies of every arena block not in `mine` (NaN read as 7, so that equal means unchanged)."""
+    rest = torch.tensor([b for b in range(kv.arena.num_blocks) if b not in mine])
+    return [t.index_select(0, rest).nan_to_num(7.0) for t in (*kv.arena.k, *kv.arena.v)]
 
 
 # --- slicing --------------------------------------------------------------------------------------------------
@@ -133,19 +154,49 @@ def test_chunked_prefill_matches_single_prefill(full, cuts):
     torch.testing.assert_close(full.logits(torch.cat(rows)), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_does_not_read_past_the_cache_length(full):
+def test_plain_decode_does_not_read_past_the_cache_length(plain):
     """Garbage (NaN) in a cache's spare capacity is never read: outputs stay finite and unchanged."""
+    ids = prompt(20)
+    want = plain.logits(run(plain, ids, plain.new_kv()))
+    kv = plain.new_kv()
+    kv.ensure(200)
+    poison(kv)
+    got = [run(plain, ids[:12], kv)]
+    for i in range(12, 20):
+        got.append(run(plain, ids[i:i + 1], kv))
+    got = plain.logits(torch.cat(got))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_steps_scrub_what_a_failed_step_left(full):
+    """A failed step may have written past what a request holds; the next step zeroes it before any block
+    is read whole (a masked NaN key would still poison the sums)."""
     ids = prompt(20)
     want = full.logits(run(full, ids, full.new_kv()))
     kv = full.new_kv()
     kv.ensure(200)
-    poison(kv)
+    for t in (*kv.arena.k, *kv.arena.v):
+        t.index_fill_(0, torch.tensor(kv.blocks), float("nan"))
+    kv.written = 200            # as if a failed step had written up to there
     got = [run(full, ids[:12], kv)]
     for i in range(12, 20):
         got.append(run(full, ids[i:i + 1], kv))
     got = full.logits(torch.cat(got))
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, want)
+
+
+def test_paged_blocks_are_zeroed_when_handed_out_and_tagged(full):
+    a = full.new_kv()
+    run(full, prompt(70), a)
+    used = list(a.blocks)
+    a.release()
+    b = full.new_kv()
+    b.ensure(70)
+    assert sorted(b.blocks) == sorted(used), "freed blocks are reused"
+    assert all(bool((t == 0).all()) for t in held(b)), "a reused block shows nothing of its last holder"
+    with pytest.raises(RuntimeError, match="owner tags"):
+        a.arena.verify(torch.tensor(b.blocks), torch.full((len(b.blocks),), a.serial))
 
 
 # --- micro-batches ----------------------------------------------------------------------------------------------
@@ -156,25 +207,25 @@ def _kv_rows(kv: KVCache, n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("len_a,len_b", [(7, 12), (1, 33), (16, 16), (40, 1)])
-def test_two_requests_in_one_micro_batch_equal_alone(full, len_a, len_b):
+def test_plain_two_requests_in_one_micro_batch_equal_alone(plain, len_a, len_b):
     a, b = prompt(len_a, seed=1), prompt(len_b, seed=2)
-    alone_kv_a, alone_kv_b = full.new_kv(), full.new_kv()
-    alone_a = full.logits(run(full, a, alone_kv_a))
-    alone_b = full.logits(run(full, b, alone_kv_b))
+    alone_kv_a, alone_kv_b = plain.new_kv(), plain.new_kv()
+    alone_a = plain.logits(run(plain, a, alone_kv_a))
+    alone_b = plain.logits(run(plain, b, alone_kv_b))
 
-    kv_a, kv_b = spy_kv(full), spy_kv(full)
+    kv_a, kv_b = spy_kv(plain), spy_kv(plain)
     kv_a.ensure(len_a + 64)
     kv_b.ensure(len_b + 64)
     poison(kv_a)
     poison(kv_b)
-    h = full(torch.cat([a, b]), [SlotRows(kv_a, 0, len_a), SlotRows(kv_b, 0, len_b)])
+    h = plain(torch.cat([a, b]), [SlotRows(kv_a, 0, len_a), SlotRows(kv_b, 0, len_b)])
     kv_a.length, kv_b.length = len_a, len_b
-    batched = full.logits(h)
+    batched = plain.logits(h)
     torch.testing.assert_close(batched[:len_a], alone_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(batched[len_a:], alone_b, atol=1e-5, rtol=1e-5)
 
     # each cache was written only at its own rows, once per layer ...
-    layers = range(full.num_layers)
+    layers = range(plain.num_layers)
     assert kv_a.writes == [(i, 0, len_a) for i in layers]
     assert kv_b.writes == [(i, 0, len_b) for i in layers]
     # ... with exactly what it holds when run alone, and nothing past its own length
@@ -183,23 +234,52 @@ def test_two_requests_in_one_micro_batch_equal_alone(full, len_a, len_b):
     for got, want in zip(_kv_rows(kv_b, len_b), _kv_rows(alone_kv_b, len_b)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for kv, n in ((kv_a, len_a), (kv_b, len_b)):
-        block_end = -(-n // kv.block) * kv.block
         for t in (*kv.k, *kv.v):
-            assert (t[:, n:block_end] == 0).all(), "the rest of the last attention block is zeroed"
-            assert torch.isnan(t[:, block_end:]).all(), "a write landed past the request's own block"
+            assert torch.isnan(t[:, n:]).all(), "a write landed past the request's own rows"
+
+    # a decode step of A batched with a decode step of B
+    na, nb = torch.tensor([5]), torch.tensor([9])
+    want_a = plain.logits(run(plain, na, alone_kv_a))
+    want_b = plain.logits(run(plain, nb, alone_kv_b))
+    kv_a.writes.clear()
+    kv_b.writes.clear()
+    h = plain(torch.cat([na, nb]), [SlotRows(kv_a, len_a, 1), SlotRows(kv_b, len_b, 1)])
+    torch.testing.assert_close(plain.logits(h), torch.cat([want_a, want_b]), atol=1e-5, rtol=1e-5)
+    assert kv_a.writes == [(i, len_a, 1) for i in layers]
+    assert kv_b.writes == [(i, len_b, 1) for i in layers]
+
+
+@pytest.mark.parametrize("len_a,len_b", [(7, 12), (1, 33), (16, 16), (40, 1), (64, 65)])
+def test_paged_two_requests_in_one_micro_batch_equal_alone(full, len_a, len_b):
+    a, b = prompt(len_a, seed=1), prompt(len_b, seed=2)
+    alone_kv_a, alone_kv_b = full.new_kv(), full.new_kv()
+    alone_a = full.logits(run(full, a, alone_kv_a))
+    alone_b = full.logits(run(full, b, alone_kv_b))
+
+    kv_a, kv_b = full.new_kv(), full.new_kv()
+    kv_a.ensure(len_a + 64)
+    kv_b.ensure(len_b + 64)
+    rest = others(kv_a, kv_a.blocks + kv_b.blocks)
+    h = full(torch.cat([a, b]), [SlotRows(kv_a, 0, len_a), SlotRows(kv_b, 0, len_b)])
+    kv_a.length, kv_b.length = len_a, len_b
+    batched = full.logits(h)
+    assert torch.equal(batched[:len_a], alone_a) and torch.equal(batched[len_a:], alone_b)
+    # each request's blocks hold exactly what they hold alone, zeros past its length; no other block moved
+    for kv, alone, n in ((kv_a, alone_kv_a, len_a), (kv_b, alone_kv_b, len_b)):
+        for got, want in zip(held(kv), held(alone)):
+            flat_got, flat_want = got.transpose(1, 2).flatten(0, 1), want.transpose(1, 2).flatten(0, 1)
+            assert torch.equal(flat_got[:n], flat_want[:n])
+            assert (flat_got[n:] == 0).all()
+    assert all(torch.equal(x, y) for x, y in zip(rest, others(kv_a, kv_a.blocks + kv_b.blocks)))
 
     # a decode step of A batched with a decode step of B, then A's decode next to a fresh prefill C
     na, nb = torch.tensor([5]), torch.tensor([9])
     want_a = full.logits(run(full, na, alone_kv_a))
     want_b = full.logits(run(full, nb, alone_kv_b))
-    kv_a.writes.clear()
-    kv_b.writes.clear()
     h = full(torch.cat([na, nb]), [SlotRows(kv_a, len_a, 1), SlotRows(kv_b, len_b, 1)])
     kv_a.length += 1
     kv_b.length += 1
-    torch.testing.assert_close(full.logits(h), torch.cat([want_a, want_b]), atol=1e-5, rtol=1e-5)
-    assert kv_a.writes == [(i, len_a, 1) for i in layers]
-    assert kv_b.writes == [(i, len_b, 1) for i in layers]
+    assert torch.equal(full.logits(h), torch.cat([want_a, want_b]))
 
     c = prompt(9, seed=3)
     want_c = full.logits(run(full, c, full.new_kv()))
@@ -207,14 +287,12 @@ def test_two_requests_in_one_micro_batch_equal_alone(full, len_a, len_b):
     want_a2 = full.logits(run(full, na2, alone_kv_a))
     kv_c = full.new_kv()
     kv_c.ensure(9)
-    b_before = _kv_rows(kv_b, kv_b.capacity)
+    b_before = held(kv_b)
     h = full(torch.cat([c, na2]), [SlotRows(kv_c, 0, 9), SlotRows(kv_a, kv_a.length, 1)])
     got = full.logits(h)
-    torch.testing.assert_close(got[:9], want_c, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[9:], want_a2, atol=1e-5, rtol=1e-5)
-    # B was not in that batch: its buffers are bit-for-bit as they were (NaN spare rows included)
-    for before, after in zip(b_before, _kv_rows(kv_b, kv_b.capacity)):
-        assert torch.equal(before.nan_to_num(7.0), after.nan_to_num(7.0))
+    assert torch.equal(got[:9], want_c) and torch.equal(got[9:], want_a2)
+    # B was not in that batch: its blocks are bit-for-bit as they were
+    assert all(torch.equal(x, y) for x, y in zip(b_before, held(kv_b)))
 
 
 def test_batch_of_many_requests_each_equal_alone(full):
