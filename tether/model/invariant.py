@@ -31,6 +31,8 @@ from tether.kv.paged import BlockArena, PagedKV
 # Masked scores. Finite, so a fully masked block needs no special case: exp(MASKED - row max) underflows to
 # exactly 0 and the block adds exact zeros.
 MASKED = -1e30
+# Lowest exp input whose result is a normal float32 (exp(-87) = 1.6e-38): anything lower is clamped to it.
+EXP_FLOOR = -87.0
 # Score elements (pairs * kv_heads * tile rows * block) per batch of tiles: bounds the scratch memory of a
 # long prefill (a batch holds at least one tile whatever its size).
 BATCH_ELEMENTS = 1 << 22
@@ -83,6 +85,7 @@ class TileBatch:
     pair_tile: torch.Tensor    # [pairs] tile of each (tile, key block) pair, tiles' pairs in block order
     pair_block: torch.Tensor   # [pairs] arena block of each pair
     bias: torch.Tensor         # [pairs, 1, height, block]: 0 where the key is visible, MASKED where not
+    visible: torch.Tensor      # [pairs, 1, height, block]: 1 where the key is visible, 0 where not
 
     @classmethod
     def build(cls, tiles: list[Tile], height: int, heads: int, kv_heads: int, pad_row: int,
@@ -103,9 +106,11 @@ class TileBatch:
         q_index = torch.where(valid[:, None], (row * heads + g)[:, None] + h * group, pad_row)
         qpos = torch.where(valid, torch.tensor([t.position for t in tiles])[:, None] + i, -1)
         kpos = pair_j[:, None] * block + torch.arange(block)
-        hidden = kpos[:, None, :] > qpos[pair_tile][:, :, None]              # padding rows see no key
+        # Padding rows see every listed key: finite sums, results dropped.
+        hidden = (kpos[:, None, :] > qpos[pair_tile][:, :, None]) & valid[pair_tile][:, :, None]
         bias = torch.zeros(hidden.shape, dtype=arena.dtype).masked_fill_(hidden, MASKED).unsqueeze(1)
-        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, bias)
+        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, bias,
+                   (~hidden).to(arena.dtype).unsqueeze(1))
 
 
 @dataclass
@@ -181,7 +186,10 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
         pair_max = scores.amax(-1)
         row_max = torch.full((b.tiles, kv_heads, b.height), MASKED, dtype=dt).scatter_reduce_(
             0, b.pair_tile.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
-        p = scores.sub_(row_max.index_select(0, b.pair_tile).unsqueeze(-1)).exp_()
+        # exp of an input whose result is not a normal float (a masked score, or one 87 below the row's
+        # max) takes a slow path, 6x slower here; clamp to exp's normal range, then zero masked keys exactly.
+        p = scores.sub_(row_max.index_select(0, b.pair_tile).unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
+        p.mul_(b.visible)
         values = torch.index_select(arena.v[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
         block_out = torch.matmul(p, values, out=scratch.take("out", (pairs, kv_heads, b.height, d), dt))
         total = q.new_zeros(b.tiles, kv_heads, b.height).index_add_(0, b.pair_tile, p.sum(-1))
