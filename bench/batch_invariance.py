@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64", help="batch sizes (default: %(default)s)")
     p.add_argument("--context", type=int, default=128, help="decode context length (default: %(default)s)")
     p.add_argument("--prompt", type=int, default=128, help="prefill prompt length (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="decode steps per repeat (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per repeat (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median ratio is reported")
     p.add_argument("--long", type=int, default=1500, help="one long prompt's length (0 skips; default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")

@@ -43,7 +43,7 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 # neighbours, its prompt chunking and the pipeline split. TETHER_BATCH_INVARIANT=0 turns it off for cost
 # measurements only; never in serving.
 BATCH_INVARIANT = __import__("os").environ.get("TETHER_BATCH_INVARIANT", "1") != "0"
-ATTENTION_BLOCK = 64           # keys per attention block; KV capacity grows in multiples of it
+ATTENTION_BLOCK = 64           # positions per paged-KV block, and per attention tile and key block
 
 # gRPC message size for all channels/servers (activation frames can be large).
 GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024

@@ -18,12 +18,15 @@ from tether.kv.cache import KVPool
 class BlockArena:
     """Keys and values of every request on one slice: per layer a [blocks, kv_heads, block, head_dim] tensor.
 
-    Grows by doubling (a copy, amortised) and never shrinks; the stage's KVPool bounds it.
+    Grows by doubling (a copy, amortised) up to `max_blocks` and never shrinks; the stage's KVPool decides
+    who may hold blocks, so the arena never needs more than the pool's capacity.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block: int) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block: int,
+                 max_blocks: int | None = None) -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.block = (
             num_layers, kv_heads, head_dim, dtype, block)
+        self.max_blocks = max_blocks
         self.k = [self._zeros(0) for _ in range(num_layers)]
         self.v = [self._zeros(0) for _ in range(num_layers)]
         self.owner = torch.zeros(0, dtype=torch.long)   # serial of the PagedKV holding a block; 0 = free
@@ -73,6 +76,8 @@ class BlockArena:
     def _grow(self, at_least: int) -> None:
         old = self.num_blocks
         new = max(2 * old, old + at_least, 16)
+        if self.max_blocks is not None:
+            new = max(min(new, self.max_blocks), old + at_least)
         for layers in (self.k, self.v):
             for i, t in enumerate(layers):
                 grown = self._zeros(new)

@@ -21,6 +21,7 @@ prefill, chunked prefill and decode agree bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,42 +76,54 @@ class Tile:
     kv: PagedKV
 
 
+@functools.lru_cache(maxsize=1024)
+def tile_layout(count: int, height: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a tile of `count` positions: kv head h holds query heads h*group .. h*group+group-1, each
+    for `count` positions, then padding. Returns (offset of each row's query from the tile's first row of
+    q as [rows * heads, d], [kv_heads, height]; position of each row from the tile's first, [height];
+    which rows are real, [height])."""
+    group = heads // kv_heads
+    p = torch.arange(height)
+    i, g = p % count, p // count
+    valid = p < group * count
+    offset = i * heads + g + torch.arange(kv_heads)[:, None] * group
+    return offset.masked_fill(~valid, 0), i, valid
+
+
 @dataclass
 class TileBatch:
-    """Tiles of one padded height, attended by one set of ops."""
+    """Tiles with the same number of query positions, attended by one set of ops."""
 
     tiles: int
     height: int
     q_index: torch.Tensor      # [tiles * kv_heads * height] rows of the scaled query rows (pad: a zero row)
     pair_tile: torch.Tensor    # [pairs] tile of each (tile, key block) pair, tiles' pairs in block order
     pair_block: torch.Tensor   # [pairs] arena block of each pair
-    bias: torch.Tensor         # [pairs, 1, height, block]: 0 where the key is visible, MASKED where not
-    visible: torch.Tensor      # [pairs, 1, height, block]: 1 where the key is visible, 0 where not
+    pair_q: torch.Tensor       # [pairs * kv_heads * height] q_index of each pair's tile
+    hidden: torch.Tensor       # [pairs, 1, height, block]: the key is past the query (padding rows see all)
 
     @classmethod
-    def build(cls, tiles: list[Tile], height: int, heads: int, kv_heads: int, pad_row: int,
-              arena: BlockArena) -> "TileBatch":
-        group, block = heads // kv_heads, arena.block
-        nb = [-(-(t.position + t.count) // block) for t in tiles]
-        pair_tile = torch.repeat_interleave(torch.arange(len(tiles)), torch.tensor(nb))
-        pair_j = torch.tensor([j for n in nb for j in range(n)])
-        pair_block = torch.tensor([t.kv.blocks[j] for t, n in zip(tiles, nb) for j in range(n)])
-        arena.verify(pair_block, torch.tensor([t.kv.serial for t, n in zip(tiles, nb) for _ in range(n)]))
-        # Tile rows: kv head h holds query heads h*group .. h*group+group-1, each for `count` positions.
-        p = torch.arange(height)
-        count = torch.tensor([t.count for t in tiles])[:, None]
-        i, g = p % count, p // count                                          # [tiles, height]
-        valid = p < group * count
-        row = torch.tensor([t.row for t in tiles])[:, None] + i
-        h = torch.arange(kv_heads)[None, :, None]
-        q_index = torch.where(valid[:, None], (row * heads + g)[:, None] + h * group, pad_row)
-        qpos = torch.where(valid, torch.tensor([t.position for t in tiles])[:, None] + i, -1)
-        kpos = pair_j[:, None] * block + torch.arange(block)
-        # Padding rows see every listed key: finite sums, results dropped.
-        hidden = (kpos[:, None, :] > qpos[pair_tile][:, :, None]) & valid[pair_tile][:, :, None]
-        bias = torch.zeros(hidden.shape, dtype=arena.dtype).masked_fill_(hidden, MASKED).unsqueeze(1)
-        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, bias,
-                   (~hidden).to(arena.dtype).unsqueeze(1))
+    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, pad_row: int, arena: BlockArena) -> "TileBatch":
+        block, count = arena.block, tiles[0].count
+        height = padded_rows(heads // kv_heads * count)
+        offset, i, valid = tile_layout(count, height, heads, kv_heads)
+        pair_tile, pair_j, pair_block, pair_serial, pair_pos = [], [], [], [], []
+        for n, t in enumerate(tiles):
+            for j in range(-(-(t.position + count) // block)):
+                pair_tile.append(n)
+                pair_j.append(j)
+                pair_block.append(t.kv.blocks[j])
+                pair_serial.append(t.kv.serial)
+                pair_pos.append(t.position)
+        pair_tile, pair_block = torch.tensor(pair_tile), torch.tensor(pair_block)
+        arena.verify(pair_block, torch.tensor(pair_serial))
+        rows = torch.tensor([t.row for t in tiles])
+        q_index = (rows[:, None, None] * heads + offset).masked_fill_(~valid, pad_row)     # [tiles, kv_heads, height]
+        qpos = torch.tensor(pair_pos)[:, None] + i                                         # [pairs, height]
+        kpos = torch.tensor(pair_j)[:, None] * block + torch.arange(block)                # [pairs, block]
+        hidden = (kpos[:, None, :] > qpos[:, :, None]) & valid[:, None]
+        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, q_index[pair_tile].flatten(),
+                   hidden.unsqueeze(1))
 
 
 @dataclass
@@ -122,14 +135,15 @@ class AttentionPlan:
     rows: int                  # real rows (the micro-batch may be padded past them)
     write_rows: torch.Tensor   # [rows * kv_heads] rows of the arena's flat K/V for the new keys
     batches: list[TileBatch]
-    out_index: torch.Tensor    # [padded rows * heads] rows of the batches' concatenated outputs
+    out_index: torch.Tensor    # [padded rows * heads] rows of the batches' outputs, one after the other
+    outputs: int               # tile rows over all batches
 
     @classmethod
     def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch) -> "AttentionPlan":
         """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`)."""
         arena = slots[0].kv.arena
-        block, group = arena.block, heads // kv_heads
-        by_height: dict[int, list[Tile]] = {}
+        block = arena.block
+        by_count: dict[int, list[Tile]] = {}
         blocks, offsets, row = [], [], 0
         for s in slots:
             s.kv.prepare_write(s.start, s.length)
@@ -138,28 +152,27 @@ class AttentionPlan:
             offsets += o
             for first in range(0, s.length, block):
                 t = Tile(row + first, s.start + first, min(block, s.length - first), s.kv)
-                by_height.setdefault(padded_rows(group * t.count), []).append(t)
+                by_count.setdefault(t.count, []).append(t)
             row += s.length
         pad_row = padded * heads
         batches = []
-        for height, tiles in by_height.items():
+        for count, tiles in by_count.items():
+            # split so that one batch's scores stay within BATCH_ELEMENTS (a batch holds at least one tile)
+            unit = kv_heads * padded_rows(heads // kv_heads * count) * block
             start = size = 0
             for n, t in enumerate(tiles):
-                pairs = -(-(t.position + t.count) // block)
-                if n > start and size + pairs * kv_heads * height * block > BATCH_ELEMENTS:
-                    batches.append(TileBatch.build(tiles[start:n], height, heads, kv_heads, pad_row, arena))
+                pairs = -(-(t.position + count) // block)
+                if n > start and size + pairs * unit > BATCH_ELEMENTS:
+                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, pad_row, arena))
                     start, size = n, 0
-                size += pairs * kv_heads * height * block
-            batches.append(TileBatch.build(tiles[start:], height, heads, kv_heads, pad_row, arena))
+                size += pairs * unit
+            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, pad_row, arena))
         # Where each (row, head) of the output comes from; GEMM padding rows read the trailing zero row.
-        total = sum(b.tiles * kv_heads * b.height for b in batches)
-        out_index = torch.full((padded * heads,), total)
-        offset = 0
-        for b in batches:
-            real = b.q_index != pad_row
-            out_index[b.q_index[real]] = torch.arange(offset, offset + b.q_index.numel())[real]
-            offset += b.q_index.numel()
-        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index)
+        q_index = torch.cat([b.q_index for b in batches])
+        real = q_index != pad_row
+        out_index = torch.full((padded * heads,), q_index.numel())
+        out_index[q_index[real]] = torch.arange(q_index.numel())[real]
+        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, q_index.numel())
 
 
 def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:
@@ -174,26 +187,28 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     vf.index_copy_(0, plan.write_rows, v[:rows].reshape(-1, d))
     qf = F.pad(q.reshape(-1, d) * d ** -0.5, (0, 0, 0, 1))
     scratch, dt = plan.scratch, q.dtype
-    outs = []
+    out_all = q.new_zeros(plan.outputs + 1, d)   # one row per tile row, then the zero row
+    offset = 0
     for b in plan.batches:
         pairs = b.pair_block.numel()
         blocks = (pairs, kv_heads, arena.block, d)
-        qt = qf.index_select(0, b.q_index).view(b.tiles, kv_heads, b.height, d)
-        qp = torch.index_select(qt, 0, b.pair_tile, out=scratch.take("q", (pairs, kv_heads, b.height, d), dt))
+        qp = torch.index_select(qf, 0, b.pair_q, out=scratch.take("q", (pairs * kv_heads * b.height, d), dt))
         keys = torch.index_select(arena.k[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
-        scores = torch.matmul(qp, keys.mT, out=scratch.take("scores", (pairs, kv_heads, b.height, arena.block), dt))
-        scores.add_(b.bias)
+        scores = torch.matmul(qp.view(pairs, kv_heads, b.height, d), keys.mT,
+                              out=scratch.take("scores", (pairs, kv_heads, b.height, arena.block), dt))
+        scores.masked_fill_(b.hidden, MASKED)
         pair_max = scores.amax(-1)
         row_max = torch.full((b.tiles, kv_heads, b.height), MASKED, dtype=dt).scatter_reduce_(
             0, b.pair_tile.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
         # exp of an input whose result is not a normal float (a masked score, or one 87 below the row's
         # max) takes a slow path, 6x slower here; clamp to exp's normal range, then zero masked keys exactly.
         p = scores.sub_(row_max.index_select(0, b.pair_tile).unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
-        p.mul_(b.visible)
+        p.masked_fill_(b.hidden, 0)
         values = torch.index_select(arena.v[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
         block_out = torch.matmul(p, values, out=scratch.take("out", (pairs, kv_heads, b.height, d), dt))
         total = q.new_zeros(b.tiles, kv_heads, b.height).index_add_(0, b.pair_tile, p.sum(-1))
-        out = q.new_zeros(b.tiles, kv_heads, b.height, d).index_add_(0, b.pair_tile, block_out)
-        outs.append((out / total.unsqueeze(-1)).view(-1, d))
-    outs.append(q.new_zeros(1, d))
-    return torch.cat(outs).index_select(0, plan.out_index).view(q.shape[0], -1)
+        n = b.q_index.numel()
+        out = out_all[offset:offset + n].view(b.tiles, kv_heads, b.height, d).index_add_(0, b.pair_tile, block_out)
+        out.div_(total.unsqueeze(-1))
+        offset += n
+    return out_all.index_select(0, plan.out_index).view(q.shape[0], -1)

@@ -173,8 +173,9 @@ class ModelSlice(nn.Module):
             return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool,
                            owner)
         if self.arena is None:
+            block = settings.ATTENTION_BLOCK
             self.arena = BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
-                                    settings.ATTENTION_BLOCK)
+                                    block, None if pool is None else -(-pool.capacity_tokens // block))
         return PagedKV(self.arena, pool, owner)
 
     @torch.inference_mode()

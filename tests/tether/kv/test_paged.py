@@ -114,3 +114,16 @@ def test_gather_returns_the_plain_layout(arena):
     kv.length = BLOCK + 2
     k, v = kv.gather(1)
     assert torch.equal(k, keys.transpose(0, 1)) and torch.equal(v, torch.zeros(2, BLOCK + 2, 3))
+
+
+def test_growth_stops_at_the_pools_capacity():
+    pool = KVPool(capacity_tokens=20 * BLOCK)
+    arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=20)
+    kv = PagedKV(arena, pool)
+    kv.ensure(10 * BLOCK)
+    assert arena.num_blocks == 16
+    kv.ensure(17 * BLOCK)                      # past the first 16 blocks: doubling would make 32
+    assert arena.num_blocks == 20
+    with pytest.raises(NoCapacity):
+        kv.ensure(21 * BLOCK)
+    assert arena.num_blocks == 20 and len(kv.blocks) == 17
