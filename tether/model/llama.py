@@ -3,7 +3,7 @@
 A ModelSlice holds layers [layer_start, layer_end) plus, on the first stage, the embedding and, on the
 last, the final norm and LM head. One forward call runs a micro-batch of slots: the linear layers see all
 rows at once; each slot's queries attend to that slot's own keys only. With batch invariance on (the
-default) keys live in a paged arena and attention runs as batched tiles (tether/model/invariant.py); off,
+default) keys live in a paged arena and attention runs as batched tiles (tether/model/tiles.py); off,
 each request has its own contiguous KV and attention is one SDPA call per slot.
 """
 
@@ -19,7 +19,8 @@ from tether import settings
 from tether.kv.cache import KVCache
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import AttentionPlan, Scratch, pad_rows, padded_rows, tile_attention
+from tether.model.invariant import pad_rows, padded_rows
+from tether.model.tiles import AttentionPlan, Scratch, tile_attention
 
 
 @dataclass

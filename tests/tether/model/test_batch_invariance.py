@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tether.model.config import even_split
+from tether.model.invariant import padded_rows
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 
@@ -127,7 +128,6 @@ def threads(request):
 
 @pytest.mark.parametrize("rows,inner,cols", [(4, 32, 64), (8, 64, 64), (128, 32, 64), (8, 64, 32), (128, 64, 64)])
 def test_each_matrix_of_a_bmm_is_the_same_gemm_alone(threads, rows, inner, cols):
-    from tether.model.invariant import padded_rows
     rows = padded_rows(rows)
     g = torch.Generator().manual_seed(rows * inner + cols)
     a, b = torch.randn(70, rows, inner, generator=g), torch.randn(70, inner, cols, generator=g)

@@ -1,0 +1,193 @@
+"""Batch-invariant attention over the paged KV arena, as tiles.
+
+A tile is up to `block` query positions of one request, GQA heads folded into its rows and padded by
+`padded_rows`. It is paired with each key block its positions can see, one (tile, block) pair per matrix of
+a batched GEMM. Pairs of all requests are batched together, but every reduction stays inside a pair or a
+tile: the row max over a tile's pairs (exact in any order), the row sum over one fixed-size block, and the
+sum over a tile's blocks in block order (index_add_ adds a tile's pairs one after the other, starting from
+zero). A key past a query's position is masked and adds an exact zero, so prefill, chunked prefill and
+decode agree bit for bit. tether/model/invariant.py has the rules this relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tether.kv.paged import BlockArena, PagedKV
+from tether.model.invariant import padded_rows
+
+# Masked scores: below any real score, so a masked key never wins a row max; finite, so a row or block with
+# nothing visible stays NaN-free. Masked keys are zeroed after exp.
+MASKED = -1e30
+# Lowest exp input whose result is a normal float32 (exp(-87) = 1.6e-38): anything lower is clamped to it.
+EXP_FLOOR = -87.0
+# Score elements (pairs * kv_heads * tile rows * block) per batch of tiles: bounds the scratch memory of a
+# long prefill (a batch holds at least one tile whatever its size).
+BATCH_ELEMENTS = 1 << 22
+
+
+class Scratch:
+    """Buffers reused from step to step: a fresh multi-megabyte tensor per op costs more in page faults than
+    the op itself (index_select of 6 MB: 0.9 ms into a new tensor, 0.12 ms into a reused one)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
+
+
+@dataclass(frozen=True)
+class Tile:
+    row: int        # first row in the micro-batch
+    position: int   # that row's position in its request
+    count: int      # query positions, at most one block
+    kv: PagedKV
+
+
+@functools.lru_cache(maxsize=1024)
+def tile_layout(count: int, height: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a tile of `count` positions: kv head h holds query heads h*group .. h*group+group-1, each
+    for `count` positions, then padding. Returns (offset of each row's query from the tile's first row of
+    q as [rows * heads, d], [kv_heads, height]; position of each row from the tile's first, [height];
+    which rows are real, [height])."""
+    group = heads // kv_heads
+    p = torch.arange(height)
+    i, g = p % count, p // count
+    valid = p < group * count
+    offset = i * heads + g + torch.arange(kv_heads)[:, None] * group
+    return offset.masked_fill(~valid, 0), i, valid
+
+
+@dataclass
+class TileBatch:
+    """Tiles with the same number of query positions, attended by one set of ops."""
+
+    tiles: int
+    height: int
+    q_index: torch.Tensor      # [tiles * kv_heads * height] rows of the scaled query rows (pad: a zero row)
+    pair_tile: torch.Tensor    # [pairs] tile of each (tile, key block) pair, tiles' pairs in block order
+    pair_block: torch.Tensor   # [pairs] arena block of each pair
+    pair_q: torch.Tensor       # [pairs * kv_heads * height] q_index of each pair's tile
+    hidden: torch.Tensor       # [pairs, 1, height, block]: the key is past the query (padding rows see all)
+
+    @classmethod
+    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, pad_row: int, arena: BlockArena) -> "TileBatch":
+        block, count = arena.block, tiles[0].count
+        height = padded_rows(heads // kv_heads * count)
+        offset, i, valid = tile_layout(count, height, heads, kv_heads)
+        pair_tile, pair_j, pair_block, pair_serial, pair_pos = [], [], [], [], []
+        for n, t in enumerate(tiles):
+            for j in range(-(-(t.position + count) // block)):
+                pair_tile.append(n)
+                pair_j.append(j)
+                pair_block.append(t.kv.blocks[j])
+                pair_serial.append(t.kv.serial)
+                pair_pos.append(t.position)
+        pair_tile, pair_block = torch.tensor(pair_tile), torch.tensor(pair_block)
+        arena.verify(pair_block, torch.tensor(pair_serial))
+        rows = torch.tensor([t.row for t in tiles])
+        q_index = (rows[:, None, None] * heads + offset).masked_fill_(~valid, pad_row)     # [tiles, kv_heads, height]
+        qpos = torch.tensor(pair_pos)[:, None] + i                                         # [pairs, height]
+        kpos = torch.tensor(pair_j)[:, None] * block + torch.arange(block)                # [pairs, block]
+        hidden = (kpos[:, None, :] > qpos[:, :, None]) & valid[:, None]
+        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, q_index[pair_tile].flatten(),
+                   hidden.unsqueeze(1))
+
+
+@dataclass
+class AttentionPlan:
+    """Everything a micro-batch's attention needs besides q/k/v; built once per step, used by every layer."""
+
+    arena: BlockArena
+    scratch: Scratch
+    rows: int                  # real rows (the micro-batch may be padded past them)
+    write_rows: torch.Tensor   # [rows * kv_heads] rows of the arena's flat K/V for the new keys
+    batches: list[TileBatch]
+    out_index: torch.Tensor    # [padded rows * heads] rows of the batches' outputs, one after the other
+    outputs: int               # tile rows over all batches
+
+    @classmethod
+    def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch) -> "AttentionPlan":
+        """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`)."""
+        arena = slots[0].kv.arena
+        block = arena.block
+        by_count: dict[int, list[Tile]] = {}
+        blocks, offsets, row = [], [], 0
+        for s in slots:
+            s.kv.prepare_write(s.start, s.length)
+            b, o = s.kv.locate(s.start, s.start + s.length)
+            blocks += b
+            offsets += o
+            for first in range(0, s.length, block):
+                t = Tile(row + first, s.start + first, min(block, s.length - first), s.kv)
+                by_count.setdefault(t.count, []).append(t)
+            row += s.length
+        pad_row = padded * heads
+        batches = []
+        for count, tiles in by_count.items():
+            # split so that one batch's scores stay within BATCH_ELEMENTS (a batch holds at least one tile)
+            unit = kv_heads * padded_rows(heads // kv_heads * count) * block
+            start = size = 0
+            for n, t in enumerate(tiles):
+                pairs = -(-(t.position + count) // block)
+                if n > start and size + pairs * unit > BATCH_ELEMENTS:
+                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, pad_row, arena))
+                    start, size = n, 0
+                size += pairs * unit
+            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, pad_row, arena))
+        # Where each (row, head) of the output comes from; GEMM padding rows read the trailing zero row.
+        q_index = torch.cat([b.q_index for b in batches])
+        real = q_index != pad_row
+        out_index = torch.full((padded * heads,), q_index.numel())
+        out_index[q_index[real]] = torch.arange(q_index.numel())[real]
+        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, q_index.numel())
+
+
+def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:
+    """Store the micro-batch's keys and values, then attend every request's queries to its own keys.
+
+    q: [padded rows, heads, d]; k, v: [padded rows, kv_heads, d]. Returns [padded rows, heads * d].
+    """
+    arena, rows = plan.arena, plan.rows
+    d, kv_heads = q.shape[-1], k.shape[1]
+    kf, vf = arena.flat(layer)
+    kf.index_copy_(0, plan.write_rows, k[:rows].reshape(-1, d))
+    vf.index_copy_(0, plan.write_rows, v[:rows].reshape(-1, d))
+    qf = F.pad(q.reshape(-1, d) * d ** -0.5, (0, 0, 0, 1))
+    scratch, dt = plan.scratch, q.dtype
+    out_all = q.new_zeros(plan.outputs + 1, d)   # one row per tile row, then the zero row
+    offset = 0
+    for b in plan.batches:
+        pairs = b.pair_block.numel()
+        blocks = (pairs, kv_heads, arena.block, d)
+        qp = torch.index_select(qf, 0, b.pair_q, out=scratch.take("q", (pairs * kv_heads * b.height, d), dt))
+        keys = torch.index_select(arena.k[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
+        scores = torch.matmul(qp.view(pairs, kv_heads, b.height, d), keys.mT,
+                              out=scratch.take("scores", (pairs, kv_heads, b.height, arena.block), dt))
+        scores.masked_fill_(b.hidden, MASKED)
+        pair_max = scores.amax(-1)
+        row_max = torch.full((b.tiles, kv_heads, b.height), MASKED, dtype=dt).scatter_reduce_(
+            0, b.pair_tile.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
+        # exp of an input whose result is not a normal float (a masked score, or one 87 below the row's
+        # max) takes a slow path, 6x slower here; clamp to exp's normal range, then zero masked keys exactly.
+        p = scores.sub_(row_max.index_select(0, b.pair_tile).unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
+        p.masked_fill_(b.hidden, 0)
+        values = torch.index_select(arena.v[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
+        block_out = torch.matmul(p, values, out=scratch.take("out", (pairs, kv_heads, b.height, d), dt))
+        total = q.new_zeros(b.tiles, kv_heads, b.height).index_add_(0, b.pair_tile, p.sum(-1))
+        n = b.q_index.numel()
+        out = out_all[offset:offset + n].view(b.tiles, kv_heads, b.height, d).index_add_(0, b.pair_tile, block_out)
+        out.div_(total.unsqueeze(-1))
+        offset += n
+    return out_all.index_select(0, plan.out_index).view(q.shape[0], -1)
