@@ -12,12 +12,12 @@ decode agree bit for bit. tether/model/invariant.py has the rules this relies on
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from tether.kv.paged import BlockArena, PagedKV
+from tether.kv.paged import BlockArena, PagedKV, long_tensor
 from tether.model.invariant import padded_rows
 
 # Masked scores: below any real score, so a masked key never wins a row max; finite, so a row or block with
@@ -56,17 +56,19 @@ class Tile:
 
 
 @functools.lru_cache(maxsize=1024)
-def tile_layout(count: int, height: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_layout(count: int, height: int, heads: int, kv_heads: int, block: int) -> tuple[torch.Tensor, ...]:
     """The rows of a tile of `count` positions: kv head h holds query heads h*group .. h*group+group-1, each
-    for `count` positions, then padding. Returns (offset of each row's query from the tile's first row of
-    q as [rows * heads, d], [kv_heads, height]; position of each row from the tile's first, [height];
-    which rows are real, [height])."""
+    for `count` positions, then padding rows that repeat the tile's first query (their results are dropped).
+
+    Returns: each row's query as an offset from the tile's first row of q viewed as [rows * heads, d]
+    ([kv_heads, height]); each row's position from the tile's first ([height, 1]); the padding rows
+    ([height, 1]); and the key offsets in a block ([block])."""
     group = heads // kv_heads
     p = torch.arange(height)
     i, g = p % count, p // count
-    valid = p < group * count
-    offset = i * heads + g + torch.arange(kv_heads)[:, None] * group
-    return offset.masked_fill(~valid, 0), i, valid
+    pad = p >= group * count
+    offset = (i * heads + g + torch.arange(kv_heads)[:, None] * group).masked_fill_(pad, 0)
+    return offset, i[:, None], pad[:, None], torch.arange(block)
 
 
 @dataclass
@@ -75,34 +77,29 @@ class TileBatch:
 
     tiles: int
     height: int
-    q_index: torch.Tensor      # [tiles * kv_heads * height] rows of the scaled query rows (pad: a zero row)
+    real: int                  # real rows of a tile per kv head (the rest pad it to `height`)
+    q_index: torch.Tensor      # [tiles, kv_heads, height] rows of q viewed as [rows * heads, d]
     pair_tile: torch.Tensor    # [pairs] tile of each (tile, key block) pair, tiles' pairs in block order
     pair_block: torch.Tensor   # [pairs] arena block of each pair
     pair_q: torch.Tensor       # [pairs * kv_heads * height] q_index of each pair's tile
     hidden: torch.Tensor       # [pairs, 1, height, block]: the key is past the query (padding rows see all)
 
     @classmethod
-    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, pad_row: int, arena: BlockArena) -> "TileBatch":
+    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena) -> "TileBatch":
         block, count = arena.block, tiles[0].count
         height = padded_rows(heads // kv_heads * count)
-        offset, i, valid = tile_layout(count, height, heads, kv_heads)
-        pair_tile, pair_j, pair_block, pair_serial, pair_pos = [], [], [], [], []
-        for n, t in enumerate(tiles):
-            for j in range(-(-(t.position + count) // block)):
-                pair_tile.append(n)
-                pair_j.append(j)
-                pair_block.append(t.kv.blocks[j])
-                pair_serial.append(t.kv.serial)
-                pair_pos.append(t.position)
-        pair_tile, pair_block = torch.tensor(pair_tile), torch.tensor(pair_block)
-        arena.verify(pair_block, torch.tensor(pair_serial))
-        rows = torch.tensor([t.row for t in tiles])
-        q_index = (rows[:, None, None] * heads + offset).masked_fill_(~valid, pad_row)     # [tiles, kv_heads, height]
-        qpos = torch.tensor(pair_pos)[:, None] + i                                         # [pairs, height]
-        kpos = torch.tensor(pair_j)[:, None] * block + torch.arange(block)                # [pairs, block]
-        hidden = (kpos[:, None, :] > qpos[:, :, None]) & valid[:, None]
-        return cls(len(tiles), height, q_index.flatten(), pair_tile, pair_block, q_index[pair_tile].flatten(),
-                   hidden.unsqueeze(1))
+        offset, i, pad, keys = tile_layout(count, height, heads, kv_heads, block)
+        pairs = [(n, j, t.kv.blocks[j], t.kv.serial, t.position, t.row * heads)
+                 for n, t in enumerate(tiles) for j in range(-(-(t.position + count) // block))]
+        columns = long_tensor(itertools.chain.from_iterable(zip(*pairs))).view(6, -1)
+        pair_tile, pair_j, pair_block, pair_serial, pair_pos, pair_row = columns
+        arena.verify(pair_block, pair_serial)
+        pair_q = pair_row[:, None, None] + offset                                 # [pairs, kv_heads, height]
+        qpos = pair_pos[:, None, None] + i                                        # [pairs, height, 1]
+        hidden = (pair_j[:, None, None] * block + keys > qpos) & ~pad             # [pairs, height, block]
+        firsts = [k for k, pr in enumerate(pairs) if pr[1] == 0]
+        return cls(len(tiles), height, heads // kv_heads * count, pair_q[firsts], pair_tile, pair_block,
+                   pair_q.flatten(), hidden.unsqueeze(1))
 
 
 @dataclass
@@ -133,7 +130,6 @@ class AttentionPlan:
                 t = Tile(row + first, s.start + first, min(block, s.length - first), s.kv)
                 by_count.setdefault(t.count, []).append(t)
             row += s.length
-        pad_row = padded * heads
         batches = []
         for count, tiles in by_count.items():
             # split so that one batch's scores stay within BATCH_ELEMENTS (a batch holds at least one tile)
@@ -142,16 +138,20 @@ class AttentionPlan:
             for n, t in enumerate(tiles):
                 pairs = -(-(t.position + count) // block)
                 if n > start and size + pairs * unit > BATCH_ELEMENTS:
-                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, pad_row, arena))
+                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena))
                     start, size = n, 0
                 size += pairs * unit
-            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, pad_row, arena))
-        # Where each (row, head) of the output comes from; GEMM padding rows read the trailing zero row.
-        q_index = torch.cat([b.q_index for b in batches])
-        real = q_index != pad_row
-        out_index = torch.full((padded * heads,), q_index.numel())
-        out_index[q_index[real]] = torch.arange(q_index.numel())[real]
-        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, q_index.numel())
+            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena))
+        # Where each (row, head) of the output comes from. GEMM padding rows (past `row`) read output 0:
+        # any finite row will do, they are dropped.
+        out_index = torch.zeros(padded * heads, dtype=torch.long)
+        outputs = 0
+        for b in batches:
+            n = b.q_index.numel()
+            source = torch.arange(outputs, outputs + n).view(b.q_index.shape)
+            out_index[b.q_index[:, :, :b.real].flatten()] = source[:, :, :b.real].flatten()
+            outputs += n
+        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)
 
 
 def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:
@@ -164,14 +164,15 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     kf, vf = arena.flat(layer)
     kf.index_copy_(0, plan.write_rows, k[:rows].reshape(-1, d))
     vf.index_copy_(0, plan.write_rows, v[:rows].reshape(-1, d))
-    qf = F.pad(q.reshape(-1, d) * d ** -0.5, (0, 0, 0, 1))
+    qf = q.reshape(-1, d)
     scratch, dt = plan.scratch, q.dtype
-    out_all = q.new_zeros(plan.outputs + 1, d)   # one row per tile row, then the zero row
+    out_all = q.new_zeros(plan.outputs, d)
     offset = 0
     for b in plan.batches:
         pairs = b.pair_block.numel()
         blocks = (pairs, kv_heads, arena.block, d)
         qp = torch.index_select(qf, 0, b.pair_q, out=scratch.take("q", (pairs * kv_heads * b.height, d), dt))
+        qp.mul_(d ** -0.5)
         keys = torch.index_select(arena.k[layer], 0, b.pair_block, out=scratch.take("kv", blocks, dt))
         scores = torch.matmul(qp.view(pairs, kv_heads, b.height, d), keys.mT,
                               out=scratch.take("scores", (pairs, kv_heads, b.height, arena.block), dt))
