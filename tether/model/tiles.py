@@ -25,9 +25,11 @@ from tether.model.invariant import padded_rows
 MASKED = -1e30
 # Lowest exp input whose result is a normal float32 (exp(-87) = 1.6e-38): anything lower is clamped to it.
 EXP_FLOOR = -87.0
-# Score elements (pairs * kv_heads * tile rows * block) per batch of tiles: bounds the scratch memory of a
-# long prefill (a batch holds at least one tile whatever its size).
-BATCH_ELEMENTS = 1 << 22
+# Elements per batch of tiles, of its scores and (separately) of its gathered keys: small enough that a
+# batch's gathered blocks are still in cache when its GEMMs read them (tiny, B=32 at context 1024: 0.65x the
+# plain kernels with 4M, 0.94-0.97x with 1M, 0.71x with 256K: too many batches), and bounding the scratch
+# memory of a long prefill. A batch holds at least one tile whatever its size.
+BATCH_ELEMENTS = 1 << 20
 
 
 class Scratch:
@@ -118,6 +120,7 @@ class AttentionPlan:
     def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch) -> "AttentionPlan":
         """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`)."""
         arena = slots[0].kv.arena
+        head_dim = arena.head_dim
         block = arena.block
         by_count: dict[int, list[Tile]] = {}
         blocks, offsets, row = [], [], 0
@@ -132,8 +135,9 @@ class AttentionPlan:
             row += s.length
         batches = []
         for count, tiles in by_count.items():
-            # split so that one batch's scores stay within BATCH_ELEMENTS (a batch holds at least one tile)
-            unit = kv_heads * padded_rows(heads // kv_heads * count) * block
+            # split so that one batch's scores and gathered keys stay within BATCH_ELEMENTS each (a batch
+            # holds at least one tile)
+            unit = kv_heads * max(padded_rows(heads // kv_heads * count), head_dim) * block
             start = size = 0
             for n, t in enumerate(tiles):
                 pairs = -(-(t.position + count) // block)
