@@ -60,7 +60,7 @@ class BlockArena:
         if len(self.free) < n:
             self._grow(n - len(self.free))
         ids = [self.free.pop() for _ in range(n)]
-        index = torch.tensor(ids)
+        index = long_tensor(ids)
         for k, v in zip(self.k, self.v):   # a reused block must not show its last holder's keys
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
@@ -70,7 +70,7 @@ class BlockArena:
     def release(self, ids: list[int], serial: int) -> None:
         if not ids:
             return
-        index = torch.tensor(ids)
+        index = long_tensor(ids)
         self.verify(index, torch.full((len(ids),), serial))
         self.owner[index] = 0
         self.free.extend(reversed(ids))
@@ -117,32 +117,32 @@ class PagedKV:
         self.pool = pool
         self.owner = owner          # request id this state belongs to (checked on use)
         self.serial = arena.new_serial()
-        self.block = arena.block
         self.blocks: list[int] = []
         self.length = 0
         self.written = 0
 
     @property
     def capacity(self) -> int:
-        return len(self.blocks) * self.block
+        return len(self.blocks) * self.arena.block
 
     def ensure(self, total: int) -> None:
         """Make room for `total` positions (reserving the new blocks from the pool first)."""
-        need = -(-total // self.block) - len(self.blocks)
+        block = self.arena.block
+        need = -(-total // block) - len(self.blocks)
         if need <= 0:
             return
         if self.pool is not None:
-            self.pool.reserve(need * self.block)
+            self.pool.reserve(need * block)
         try:
             self.blocks += self.arena.allocate(need, self.serial)
         except BaseException:
             if self.pool is not None:
-                self.pool.free(need * self.block)
+                self.pool.free(need * block)
             raise
 
     def locate(self, start: int, end: int) -> tuple[list[int], list[int]]:
         """Block id and offset of each position start..end-1."""
-        blk = self.block
+        blk = self.arena.block
         return [self.blocks[p // blk] for p in range(start, end)], [p % blk for p in range(start, end)]
 
     def zero(self, start: int, end: int) -> None:

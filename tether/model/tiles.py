@@ -27,8 +27,8 @@ MASKED = -1e30
 EXP_FLOOR = -87.0
 # Elements per batch of tiles, of its scores and (separately) of its gathered keys: small enough that a
 # batch's gathered blocks are still in cache when its GEMMs read them (tiny, B=32 at context 1024: 0.65x the
-# plain kernels with 4M, 0.94-0.97x with 1M, 0.71x with 256K: too many batches), and bounding the scratch
-# memory of a long prefill. A batch holds at least one tile whatever its size.
+# plain kernels with 4M, 0.84-0.97x over three runs with 1M, 0.71x with 256K: too many batches), and
+# bounding the scratch memory of a long prefill. A batch holds at least one tile whatever its size.
 BATCH_ELEMENTS = 1 << 20
 
 
