@@ -59,3 +59,12 @@ STREAM_IDLE_S = 60.0
 
 # Fault injection (tether/faults.py): off unless a spec is given by --faults or this environment variable.
 FAULTS_ENV = "TETHER_FAULTS"
+
+# Supervision (`tether up`): a child that dies is restarted with the same command and ports after an
+# exponential backoff (base doubling to the cap), reset once it has stayed up SUPERVISE_STABLE_S. More than
+# SUPERVISE_MAX_RESTARTS crashes of one child within SUPERVISE_WINDOW_S: the launcher gives up and stops all.
+SUPERVISE_BACKOFF_BASE_S = 0.5
+SUPERVISE_BACKOFF_CAP_S = 10.0
+SUPERVISE_STABLE_S = 30.0
+SUPERVISE_MAX_RESTARTS = 5
+SUPERVISE_WINDOW_S = 60.0
