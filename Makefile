@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench bench-chaos clean
+.PHONY: help setup proto run test test-fast bench bench-chaos soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -35,6 +35,9 @@ bench: setup  ## load sweep with audit against a cluster this target starts
 
 bench-chaos: setup  ## every fault kind alone, stamp checks on and off: injected / detected / recovered / failed / wrong
 	$(BIN)/python -m tether.cli.main bench --spawn --chaos all --concurrency 8 --num-requests 24 --out bench-out/chaos
+
+soak: setup  ## a few hundred concurrent streams for ~5 minutes against a local cluster, with random cancels (not in `make test`)
+	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs
 
 clean:  ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) tether/v1/*_pb2*.py tether/v1/*_pb2.pyi .pytest_cache
