@@ -238,6 +238,13 @@ def test_jaeger_is_optional_all_in_one():
         assert "jaeger" not in (svc.get("depends_on") or {}), f"{name} must not need Jaeger"
 
 
+def test_every_service_restarts_unless_stopped():
+    """A dead stage must come back under its name and port while the coordinator can still replay its in-flight
+    requests; any exit of a server is a fault (exit 0 included, which `on-failure` would not restart)."""
+    for name, svc in _compose()["services"].items():
+        assert svc.get("restart") == "unless-stopped", f"{name}: restart is {svc.get('restart')!r}"
+
+
 # --------------------------------------------------------------------------------------------- Dockerfile
 
 def test_dockerfile_base_user_workdir_entrypoint():

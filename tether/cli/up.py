@@ -1,14 +1,23 @@
-"""`tether up`: the whole system on this machine, one process per service, until Ctrl-C or SIGTERM."""
+"""`tether up`: the whole system on this machine, one process per service, until Ctrl-C or SIGTERM.
+
+A child that dies is restarted like a container under a restart policy (tether/cli/supervisor.py): the
+protocol recovers a restarted stage (the coordinator re-handshakes and replays in-flight requests), so
+taking the whole cluster down for one dead process would throw that recovery away.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import sys
 import threading
+import time
+from pathlib import Path
 
 from tether import settings
 from tether.cli.cluster import LocalCluster
+from tether.cli.supervisor import GaveUp, RestartPolicy, Supervisor
 
 DEMO_PROMPTS = [
     ("请用不超过50字向老人解释血糖仪读数", dict(max_tokens=48)),
@@ -18,11 +27,18 @@ DEMO_PROMPTS = [
 ]
 
 
+POLL_S = 0.2   # how often the launcher looks for dead children (and for due restarts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tether up",
         description="Start a local tether cluster: N stage workers, one coordinator and one admission service, "
-                    "each its own process on loopback. Ctrl-C or SIGTERM stops them all.")
+                    "each its own process on loopback. Ctrl-C or SIGTERM stops them all.",
+        epilog=f"restart policy: {RestartPolicy().describe()}. Requests in flight when a stage dies resume "
+               f"once it is back (within the coordinator's {settings.RECOVERY_WINDOW_S:g} s recovery window); "
+               "after that they fail with UNAVAILABLE. --max-restarts sets the crashes allowed per child, "
+               "--no-restart stops the cluster at the first death.")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
                    help="preset (tiny, small, base: random weights generated from a seed) or a Hugging Face "
                         "folder with config.json, *.safetensors and tokenizer.json (default: %(default)s)")
@@ -38,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per stage (default: the machine's cores divided among the stages)")
     p.add_argument("--demo", action="store_true", help="once up, send a few prompts and print the answers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to come up")
+    p.add_argument("--max-restarts", type=int, default=settings.SUPERVISE_MAX_RESTARTS, metavar="N",
+                   help=f"restart a dead child at most N times within {settings.SUPERVISE_WINDOW_S:g} s; one more "
+                        "crash stops the cluster with that child's exit code and log (default: %(default)s)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="never restart: the first child to exit stops the cluster (same as --max-restarts 0)")
+    p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                   help="write each service's output to DIR/NAME.log instead of this terminal; a child that "
+                        "makes the launcher give up then has its last log lines shown")
     return p
 
 
@@ -56,10 +80,15 @@ def run_demo(target: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
+    policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
     cluster = LocalCluster(model=args.model, stages=args.stages, host=args.host, admission_port=args.port,
-                           coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads)
+                           coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
+                           log_dir=args.log_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -72,14 +101,20 @@ def main(argv: list[str] | None = None) -> None:
               f"`tether generate --target {cluster.target} \"你好\"`. Ctrl-C stops it.", flush=True)
         if args.demo:
             run_demo(cluster.target)
-        while not stop.wait(0.5):
-            dead = [s for s in cluster.services if s.proc.poll() is not None]
-            if dead:
-                print(f"{dead[0].name} exited with {dead[0].proc.returncode}; stopping the cluster", flush=True)
-                break
-    except (TimeoutError, RuntimeError, ValueError, FileNotFoundError) as e:
+        # Supervise from this (the spawning) thread: children die with it (PR_SET_PDEATHSIG, tether/procutil.py).
+        supervisor = Supervisor(cluster, policy, time.monotonic(), say=lambda m: print(m, flush=True))
+        while not stop.wait(POLL_S):
+            supervisor.poll(time.monotonic())
+    except GaveUp as e:
+        print(f"tether up: {e}", file=sys.stderr, flush=True)   # the cause first, then the shutdown
+        exit_code = 1
+    except (TimeoutError, RuntimeError, ValueError, OSError) as e:
         raise SystemExit(f"tether up: {e}")
+    else:
+        exit_code = 0
     finally:
         print("stopping tether ...", flush=True)
         cluster.stop()
         print("stopped.", flush=True)
+    if exit_code:
+        raise SystemExit(exit_code)
