@@ -26,6 +26,23 @@ overshoot a little; ``tokens_per_char`` is the tokenizer's ratio for the
 prompt's script. The result is clamped to ``[1, max_tokens]``; without a
 constraint the budget is ``max_tokens``. When a prompt holds several
 constraints the one with the smallest implied budget wins.
+
+A limit above ``MAX_LENGTH_LIMIT`` (1,000,000) is not a plausible constraint
+("under hundred hundred hundred ... words"): it is ignored, like a limit of
+zero, so the prompt gets ``max_tokens``. Numbers are also bounded in length
+where they are matched (at most 12 digits, 16 Chinese numeral characters or 10
+English number words); a longer run is not a number at all, and no match may
+start inside one. ``implied_budget`` clamps its own input too, so it cannot
+overflow whatever it is given.
+
+Linear time
+-----------
+Every pattern here runs over untrusted prompt text on the front door, so each
+must cost O(1) per start position: no unbounded quantifier is nested in
+another or sits next to one that can take the same characters, and runs that
+a match could start inside (digits, numerals, number words, whitespace) are
+bounded and guarded by lookbehinds. ``tag`` is then linear in the prompt and
+raises only ValueError, and only for its documented argument checks.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ __all__ = [
     "Tags",
     "tag",
     "BUDGET_RULES",
+    "MAX_LENGTH_LIMIT",
     "PRIORITIES",
     "detect_language",
     "chinese_numeral_to_int",
@@ -91,6 +109,11 @@ BUDGET_RULES: dict[str, tuple[float, int]] = {
     "sentences": (40.0, 8),
     "tokens": (1.0, 0),
 }
+# A parsed limit above this is ignored: no real prompt asks for a million words,
+# and a bigger number would only overflow the float arithmetic of implied_budget.
+MAX_LENGTH_LIMIT = 1_000_000
+# implied_budget never returns more than this (the largest int64 a proto field holds).
+_MAX_BUDGET = 2**63 - 1
 
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 DEFAULT_PRIORITY = "standard"
@@ -294,24 +317,27 @@ def parse_number(text: str) -> int:
 
 @lru_cache(maxsize=64)
 def _lexicon_pattern(lexicon: tuple[str, ...]) -> re.Pattern[str]:
-    """One alternation per lexicon; longest first so "血糖仪" counts once, not as "血糖" too."""
-    parts = []
-    for word in sorted(set(lexicon), key=lambda w: (-len(w), w)):
-        escaped = re.escape(word)
-        if word.isascii():
-            # English words need boundaries ("sue" must not hit "issue"); allow plurals.
-            plural = "(?:s|es)?" if word[-1].isalpha() else ""
-            parts.append(rf"(?<![a-z0-9]){escaped}{plural}(?![a-z0-9])")
-        else:
-            parts.append(escaped)  # Chinese has no word boundaries to check
-    return re.compile("|".join(parts), re.IGNORECASE)
+    """One alternation per lexicon, longest first so "血糖仪" counts once, not as "血糖" too.
+
+    Matched against lowercased text: re.IGNORECASE, and a boundary check per word
+    instead of one shared check, each cost several times more at every position.
+    """
+    words = sorted({w.lower() for w in lexicon if w}, key=lambda w: (-len(w), w))
+    # Chinese has no word boundaries to check. These go first: a non-ASCII word can
+    # only clash with an ASCII word that is its (shorter) prefix, so longest-first holds.
+    parts = [re.escape(w) for w in words if not w.isascii()]
+    # English words need boundaries ("sue" must not hit "issue"); allow plurals.
+    english = [re.escape(w) + ("(?:s|es)?" if w[-1].isalpha() else "") for w in words if w.isascii()]
+    if english:
+        parts.append(rf"(?<![a-z0-9])(?:{'|'.join(english)})(?![a-z0-9])")
+    return re.compile("|".join(parts))
 
 
 def count_lexicon_hits(text: str, lexicon: tuple[str, ...]) -> int:
     """Number of non-overlapping lexicon hits in text (case-insensitive)."""
-    if not lexicon:
+    if not any(lexicon):
         return 0
-    return len(_lexicon_pattern(lexicon).findall(text))
+    return len(_lexicon_pattern(lexicon).findall(text.lower()))
 
 
 def _best_by_hits(
@@ -375,7 +401,20 @@ _UNIT_ALIASES: dict[str, str] = {
     "token": "tokens",
 }
 
-_CN_NUM = rf"([0-9]+|[{_CN_NUMERAL_CHARS}]+)"
+# Linear time (see the module docstring): each quantifier below is bounded, and
+# lookbehinds/lookaheads stop a number from starting or ending inside a longer
+# run, so a run too long to be a number is rejected in O(1) at each position
+# instead of being rescanned from every position inside it.
+_GAP = r"\s{0,4}"  # optional whitespace between tokens
+_SEP = r"\s{1,4}"  # required whitespace between tokens
+_MAX_DIGITS = 12
+_MAX_CN_NUMERAL_CHARS = 16  # 一千二百三十四万五千六百七十八 has 15
+_MAX_EN_NUMBER_WORDS = 10  # nine hundred ninety-nine thousand nine hundred ninety-nine has 9
+
+_CN_NUM = (
+    rf"((?<![0-9])[0-9]{{1,{_MAX_DIGITS}}}(?![0-9])"
+    rf"|(?<![{_CN_NUMERAL_CHARS}])[{_CN_NUMERAL_CHARS}]{{1,{_MAX_CN_NUMERAL_CHARS}}}(?![{_CN_NUMERAL_CHARS}]))"
+)
 _CN_UNIT = r"(?:个)?(字符|字|单词|词|句话|句子|句|tokens?)"
 # "少于" etc. must not follow 不: "不少于50字" means at least 50.
 _CN_PREFIX = (
@@ -387,12 +426,26 @@ _EN_NUMBER_WORDS = "|".join(
     sorted([*_EN_ONES, *_EN_TENS, *_EN_SCALES], key=len, reverse=True)
 )
 _EN_WORD = rf"\b(?:{_EN_NUMBER_WORDS})\b"
-_EN_NUM = rf"(\d{{1,3}}(?:,\d{{3}})+|\d+|{_EN_WORD}(?:[\s-]+(?:and[\s-]+)?{_EN_WORD})*)"
+_EN_WORD_GAP = r"[\s-]{1,4}"  # "twenty-five", "one hundred", "twenty - five"
+# [0-9], not \d: \d also takes other scripts' digits, which parse_number rejects.
+# "1,000,000" groups; a digit or "digit," just before means we are inside a run.
+_EN_DIGITS = (
+    rf"(?<![0-9])(?<![0-9],)(?:[0-9]{{1,3}}(?:,[0-9]{{3}}){{1,3}}|[0-9]{{1,{_MAX_DIGITS}}})(?![0-9])"
+)
+# Python's lookbehind is fixed-width, so "not inside a run of number words" is
+# checked after the match, by _continues_number_words. The group is atomic: what
+# follows a number (a unit, "years") is never a number word, so giving words back
+# cannot make a match, and not trying saves the backtracking on every failed start.
+_EN_WORDS = (
+    rf"(?>{_EN_WORD}(?:{_EN_WORD_GAP}(?:and{_EN_WORD_GAP})?{_EN_WORD}){{0,{_MAX_EN_NUMBER_WORDS - 1}}})"
+)
+_EN_NUM_ALTERNATIVES = rf"{_EN_DIGITS}|{_EN_WORDS}"
+_EN_NUM = rf"({_EN_NUM_ALTERNATIVES})"
 _EN_UNIT = r"(words?|characters?|chars?|letters?|sentences?|tokens?)\b"
 _EN_PREFIX = (
-    r"(?:under|below|fewer\s+than|less\s+than|no\s+more\s+than|not\s+more\s+than|"
-    r"no\s+longer\s+than|not\s+exceeding|not\s+to\s+exceed|at\s+most|within|up\s+to|"
-    r"max(?:imum)?\.?(?:\s+of)?|limit(?:ed)?\s+(?:to|of)|capped\s+at)"
+    rf"(?:under|below|fewer{_SEP}than|less{_SEP}than|no{_SEP}more{_SEP}than|not{_SEP}more{_SEP}than|"
+    rf"no{_SEP}longer{_SEP}than|not{_SEP}exceeding|not{_SEP}to{_SEP}exceed|at{_SEP}most|within|up{_SEP}to|"
+    rf"max(?:imum)?\.?(?:{_SEP}of)?|limit(?:ed)?{_SEP}(?:to|of)|capped{_SEP}at)"
 )
 
 # Each pattern has exactly two groups: (number, unit).
@@ -400,63 +453,105 @@ _CONSTRAINT_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
     re.compile(p, re.IGNORECASE)
     for p in (
         # 不超过50字 / 最多50个字 / 控制在50字 / 不超过三句话 / 不超过200个词
-        rf"{_CN_PREFIX}\s*(?:用)?\s*{_CN_NUM}\s*{_CN_UNIT}",
+        rf"{_CN_PREFIX}{_GAP}(?:用{_GAP})?{_CN_NUM}{_GAP}{_CN_UNIT}",
         # 50字以内 / 50字之内 / 3句话以内 / 100字以下
-        rf"{_CN_NUM}\s*{_CN_UNIT}\s*(?:以内|之内|以下|内(?!容))",
+        rf"{_CN_NUM}{_GAP}{_CN_UNIT}{_GAP}(?:以内|之内|以下|内(?!容))",
         # 用一句话概括 / 用100字介绍
-        rf"用\s*{_CN_NUM}\s*{_CN_UNIT}",
+        rf"用{_GAP}{_CN_NUM}{_GAP}{_CN_UNIT}",
         # at most 50 words / in under 50 words / within 100 characters / max 20 tokens
-        rf"\b{_EN_PREFIX}\s+{_EN_NUM}\s+{_EN_UNIT}",
+        rf"\b{_EN_PREFIX}{_SEP}{_EN_NUM}{_SEP}{_EN_UNIT}",
         # in one sentence / in a single word / in 3 sentences
-        rf"\bin\s+(a\s+single|an?|single|{_EN_NUM[1:-1]})\s+{_EN_UNIT}",
+        rf"\bin{_SEP}(a{_SEP}single|an?|single|{_EN_NUM_ALTERNATIVES}){_SEP}{_EN_UNIT}",
         # 50 words or less / 20 tokens max
-        rf"{_EN_NUM}\s+{_EN_UNIT}\s+(?:or\s+(?:less|fewer|under)|max(?:imum)?|at\s+most|tops)\b",
+        rf"{_EN_NUM}{_SEP}{_EN_UNIT}{_SEP}(?:or{_SEP}(?:less|fewer|under)|max(?:imum)?|at{_SEP}most|tops)\b",
         # a 50-word summary / a one-sentence answer
         rf"{_EN_NUM}-(word|character|char|sentence|token)\b",
     )
 )
 # 字数不超过50 / 字数在50以内: the unit comes before the number.
 _CN_CHAR_COUNT_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(rf"字数\s*{_CN_PREFIX}\s*{_CN_NUM}"),
-    re.compile(rf"字数\s*在\s*{_CN_NUM}\s*(?:个?字)?\s*(?:以内|之内|以下)"),
+    re.compile(rf"字数{_GAP}{_CN_PREFIX}{_GAP}{_CN_NUM}"),
+    re.compile(rf"字数{_GAP}在{_GAP}{_CN_NUM}{_GAP}(?:个?字{_GAP})?(?:以内|之内|以下)"),
 )
+
+# What a number phrase continuing a run of number words has just left of it.
+_EN_RUN_TAIL = re.compile(
+    rf"\b(?:{_EN_NUMBER_WORDS}){_EN_WORD_GAP}(?:and{_EN_WORD_GAP})?\Z", re.IGNORECASE
+)
+_EN_RUN_LOOKBACK = 24  # longest word (9) + gap (4) + "and" (3) + gap (4), and a little room
+
+
+def _continues_number_words(text: str, start: int) -> bool:
+    """True when the English number phrase at start is only the tail of a longer run.
+
+    The bounded pattern would otherwise take the last words of "hundred hundred
+    ... hundred words" as a number. Digits and Chinese numerals need no such
+    check: their lookbehinds are fixed-width.
+    """
+    first = text[start:start + 1]
+    if not (first.isascii() and first.isalpha()):
+        return False
+    # pos/endpos instead of a slice: \b at pos still sees the character before it.
+    return _EN_RUN_TAIL.search(text, max(0, start - _EN_RUN_LOOKBACK), start) is not None
+
+
+def _matched_number(text: str, m: re.Match[str]) -> int | None:
+    """The number in group 1 of a match; None when it is the tail of a run or does not parse."""
+    if _continues_number_words(text, m.start(1)):
+        return None
+    try:
+        return parse_number(m.group(1))
+    except ValueError:  # IGNORECASE lets a few non-ASCII look-alikes ("ſix") past the regex
+        return None
 
 
 def _normalize_unit(raw: str) -> str:
+    """BUDGET_RULES unit for a matched unit word; "" if unknown (a case-folded look-alike)."""
     unit = raw.lower()
     if unit in _UNIT_ALIASES:
         return _UNIT_ALIASES[unit]
-    return _UNIT_ALIASES[unit.removesuffix("s")]  # English plurals
+    return _UNIT_ALIASES.get(unit.removesuffix("s"), "")  # English plurals
 
 
 def find_length_constraints(prompt: str) -> list[tuple[int, str]]:
     """Every explicit length constraint in the prompt as (limit, unit), in text order.
 
-    Limits of zero are dropped: they carry no usable budget.
+    Limits of zero are dropped: they carry no usable budget. So are limits above
+    MAX_LENGTH_LIMIT: no prompt means them, and they would overflow the budget maths.
     """
     text = unicodedata.normalize("NFKC", prompt)  # ５０字 -> 50字
     found: list[tuple[int, int, str]] = []  # (position, limit, unit)
-    for pattern in _CONSTRAINT_PATTERNS:
-        for m in pattern.finditer(text):
-            found.append((m.start(), parse_number(m.group(1)), _normalize_unit(m.group(2))))
-    for pattern in _CN_CHAR_COUNT_PATTERNS:
-        for m in pattern.finditer(text):
-            found.append((m.start(), parse_number(m.group(1)), "chars"))
+    matches = [(m, m.group(2)) for pattern in _CONSTRAINT_PATTERNS for m in pattern.finditer(text)]
+    matches += [(m, "字") for pattern in _CN_CHAR_COUNT_PATTERNS for m in pattern.finditer(text)]
+    for m, raw_unit in matches:
+        limit = _matched_number(text, m)
+        unit = _normalize_unit(raw_unit)
+        if limit is not None and 0 < limit <= MAX_LENGTH_LIMIT and unit:
+            found.append((m.start(), limit, unit))
     found.sort(key=lambda item: item[0])
     result: list[tuple[int, str]] = []
+    seen: set[tuple[int, str]] = set()  # a set: a prompt may hold thousands of constraints
     for _, limit, unit in found:
-        if limit > 0 and (limit, unit) not in result:
+        if (limit, unit) not in seen:
+            seen.add((limit, unit))
             result.append((limit, unit))
     return result
 
 
 def implied_budget(limit: int, unit: str, tokens_per_char: float = 1.0) -> int:
-    """Tokens a (limit, unit) constraint needs, per BUDGET_RULES; at least 1, not clamped above."""
+    """Tokens a (limit, unit) constraint needs, per BUDGET_RULES; at least 1.
+
+    Not clamped to max_tokens; but the limit is clamped to MAX_LENGTH_LIMIT and
+    the result to 2**63 - 1, so no input can overflow the float arithmetic.
+    """
     per_unit, overhead = BUDGET_RULES[unit]
     if unit == "chars":
         per_unit *= tokens_per_char
     # round() first so float noise (52.50000000001) does not add a whole token.
-    return max(1, math.ceil(round(limit * per_unit + overhead, 6)))
+    raw = round(min(limit, MAX_LENGTH_LIMIT) * per_unit + overhead, 6)
+    if not raw < _MAX_BUDGET:  # also inf and nan, from an absurd tokens_per_char
+        return _MAX_BUDGET
+    return max(1, math.ceil(raw))
 
 
 def parse_length_constraint(prompt: str, tokens_per_char: float = 1.0) -> tuple[int, str]:
@@ -554,7 +649,8 @@ def compute_prefix_key(system_text: str) -> int:
     """64-bit key for the prefix cache: blake2b-64 of the system prompt, 0 when empty."""
     if not system_text:
         return 0
-    digest = hashlib.blake2b(system_text.encode("utf-8"), digest_size=8).digest()
+    # surrogatepass: a lone surrogate in a str must not make tagging raise.
+    digest = hashlib.blake2b(system_text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -578,8 +674,8 @@ def detect_domain(text: str) -> str:
     return _best_by_hits(text, DOMAIN_LEXICONS) or "general"
 
 
-_EN_AGE = re.compile(rf"{_EN_NUM}[\s-]+years?[\s-]+old\b", re.IGNORECASE)
-_CN_AGE = re.compile(rf"{_CN_NUM}\s*岁")
+_EN_AGE = re.compile(rf"{_EN_NUM}{_EN_WORD_GAP}years?{_EN_WORD_GAP}old\b", re.IGNORECASE)
+_CN_AGE = re.compile(rf"{_CN_NUM}{_GAP}岁")
 
 
 def _age_hits(text: str) -> dict[str, int]:
@@ -587,9 +683,8 @@ def _age_hits(text: str) -> dict[str, int]:
     hits = {"child": 0, "elderly": 0}
     for pattern in (_EN_AGE, _CN_AGE):
         for m in pattern.finditer(text):
-            try:
-                age = parse_number(m.group(1))
-            except ValueError:
+            age = _matched_number(text, m)
+            if age is None:
                 continue
             if age <= CHILD_MAX_AGE:
                 hits["child"] += 1
@@ -627,13 +722,17 @@ def tag(
     priority: str = "",
     tokens_per_char: float = 1.0,
 ) -> Tags:
-    """Tag one request. Raises ValueError on a bad priority or nonsensical sizes."""
+    """Tag one request; linear time in the prompt.
+
+    Raises ValueError on a bad priority or nonsensical sizes, and nothing else:
+    no prompt text makes it raise.
+    """
     if input_tokens < 0:
         raise ValueError(f"input_tokens must be >= 0; got {input_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1; got {max_tokens}")
-    if not tokens_per_char > 0:
-        raise ValueError(f"tokens_per_char must be > 0; got {tokens_per_char}")
+    if not (tokens_per_char > 0 and math.isfinite(tokens_per_char)):
+        raise ValueError(f"tokens_per_char must be finite and > 0; got {tokens_per_char}")
     checked_priority = normalize_priority(priority)
 
     content = strip_role_markers(prompt)
