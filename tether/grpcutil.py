@@ -1,4 +1,8 @@
-"""gRPC plumbing every service shares: server setup with health and reflection, channels, shutdown."""
+"""gRPC plumbing every service shares: server setup with health and reflection, channels, shutdown.
+
+Each service sizes its own messages (settings: stages carry activation frames, the coordinator token ids,
+admission one prompt), so a peer cannot make a small-message service buffer 64 MiB.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +19,10 @@ from tether import settings
 
 log = logging.getLogger(__name__)
 
-MESSAGE_OPTIONS = [
-    ("grpc.max_send_message_length", settings.GRPC_MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", settings.GRPC_MAX_MESSAGE_BYTES),
-]
+def message_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
 # Keepalive so a peer that vanished (killed, network gone) is noticed in seconds, not at TCP timeout.
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -26,22 +30,35 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-SERVER_OPTIONS = MESSAGE_OPTIONS + [
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.so_reuseport", 0),
-]
 
 
-def channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=MESSAGE_OPTIONS + KEEPALIVE_OPTIONS)
+def server_options(max_message_bytes: int, max_connection_age_s: float | None) -> list[tuple[str, int]]:
+    options = message_options(max_message_bytes) + [
+        ("grpc.keepalive_time_ms", int(settings.SERVER_KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(settings.SERVER_KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.max_connection_idle_ms", int(settings.MAX_CONNECTION_IDLE_S * 1000)),
+        ("grpc.so_reuseport", 0),
+    ]
+    if max_connection_age_s is not None:
+        # The grace covers a request's whole lifetime: an aged-out connection finishes what it carries.
+        options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(settings.MAX_REQUEST_LIFETIME_S * 1000) + 10_000)]
+    return options
+
+
+def channel(target: str, max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=message_options(max_message_bytes) + KEEPALIVE_OPTIONS)
 
 
 class Server:
-    """A grpc.aio server with health checking and reflection; `serve()` runs until SIGINT/SIGTERM."""
+    """A grpc.aio server with health checking and reflection; `wait_for_signal()` runs until SIGINT/SIGTERM."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, host: str, port: int, service_names: Iterable[str],
+                 max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES,
+                 max_connection_age_s: float | None = None) -> None:
+        self.server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = list(service_names)

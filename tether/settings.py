@@ -25,6 +25,11 @@ MAX_TENANT_CHARS = 64          # tenant names are cache namespaces and metric la
 MAX_REQUEST_ID_CHARS = 128
 OVERLOAD_RETRY_AFTER_S = 1.0   # RetryInfo delay admission suggests when it refuses for overload
 READINESS_POLL_S = 1.0         # how often admission asks its coordinator whether it is serving
+# A request whose client set no deadline gets this one (admission, and the coordinator for its own peers):
+# a wedged request ends with DEADLINE_EXCEEDED instead of waiting forever.
+MAX_REQUEST_LIFETIME_S = 600.0
+TAG_BUDGET_S = 2.0             # tokenizing + tagging one prompt, off the event loop; past it: INVALID_ARGUMENT
+TAG_WORKERS = 2                # threads that tokenize and tag (the work is linear in the prompt, capped in bytes)
 
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch
@@ -32,7 +37,7 @@ MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail
-MAX_REBUILDS = 5            # replays of one request's state before it fails with ABORTED
+MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before it fails with ABORTED
 
 # Stage workers.
 KV_CAPACITY_TOKENS = 262_144   # per stage, over all requests
@@ -45,8 +50,20 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 BATCH_INVARIANT = __import__("os").environ.get("TETHER_BATCH_INVARIANT", "1") != "0"
 ATTENTION_BLOCK = 64           # positions per paged-KV block, and per attention tile and key block
 
-# gRPC message size for all channels/servers (activation frames can be large).
-GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024
+# gRPC message size per service: each server accepts what its own contract needs, no more. Stages carry
+# activation frames; the coordinator takes token ids (MAX_PROMPT_TOKENS x <= 5 bytes) and small control
+# messages; admission takes a prompt of at most MAX_PROMPT_BYTES plus its other fields.
+GRPC_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 1024 * 1024   # stages (and channels to them)
+COORDINATOR_MAX_MESSAGE_BYTES = 1024 * 1024
+ADMISSION_MAX_MESSAGE_BYTES = MAX_PROMPT_BYTES + 64 * 1024
+
+# Connection management on every server: pings find dead peers in seconds; idle connections are closed.
+# Admission (public) also ages connections out so clients rebalance; its grace lets a request run out its
+# lifetime. Internal servers never age connections: their Forward streams are meant to live.
+SERVER_KEEPALIVE_S = 20.0
+SERVER_KEEPALIVE_TIMEOUT_S = 10.0
+MAX_CONNECTION_IDLE_S = 300.0
+ADMISSION_MAX_CONNECTION_AGE_S = 1800.0
 
 # Where generated preset models live (override with TETHER_HOME).
 TETHER_HOME_ENV = "TETHER_HOME"
@@ -54,8 +71,16 @@ TETHER_HOME_ENV = "TETHER_HOME"
 # Hostile input on the stage protocol (docs/PROTOCOL.md): a stage serves at most this many Forward streams at
 # once (RESOURCE_EXHAUSTED beyond) and closes a stream with no frame in and no reply out for STREAM_IDLE_S
 # (DEADLINE_EXCEEDED). A coordinator whose pipeline sits idle longer sees its stream closed and reopens it.
-MAX_FORWARD_STREAMS = 8
+MAX_FORWARD_STREAMS = 16      # over all peers
+MAX_STREAMS_PER_PEER = 8      # from one peer address (advertised at handshake)
 STREAM_IDLE_S = 60.0
+# What one frame may ask of a stage: advertised at handshake, enforced by the stage itself (BAD_FRAME beyond).
+STAGE_MAX_FRAME_ROWS = 1024   # >= the coordinator's MAX_BATCH_TOKENS
+STAGE_MAX_FRAME_SLOTS = 64    # >= the coordinator's MAX_BATCH_SLOTS
+RELAY_PENDING_MAX = 1024      # frames a stage remembers waiting for downstream replies, per stream
+
+# Supervised loops (tether/supervise.py): an unexpected error restarts the loop after this pause.
+LOOP_RESTART_S = 1.0
 
 # Fault injection (tether/faults.py): off unless a spec is given by --faults or this environment variable.
 FAULTS_ENV = "TETHER_FAULTS"

@@ -24,11 +24,12 @@ class Receipt:
     context_hash: int
     output_tokens: int
     model_fingerprint: str
+    internal_id: str = ""            # the id admission minted (request_id is the caller's own label)
 
     @classmethod
     def from_proto(cls, r: common_pb2.Receipt) -> "Receipt":
         return cls(r.request_id, r.prompt_digest, r.prompt_tokens, r.context_hash, r.output_tokens,
-                   r.model_fingerprint)
+                   r.model_fingerprint, r.internal_id)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import asyncio
 
 from services.admission.server import AdmissionServicer, track_readiness
 from services.admission.validate import ModelLimits
-from tether import settings
+from tether import settings, supervise
 from tether.procutil import follow_parent
 from tether.grpcutil import Server, channel, configure_logging
 from tether.model.config import ModelConfig
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "since admission tokenizes (default: %(default)s)")
     p.add_argument("--max-concurrent", type=_positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
                    help="requests in flight beyond which admission answers RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
+                   help="lifetime of a request whose caller set no deadline; past it the call ends with "
+                        "DEADLINE_EXCEEDED (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="(default: %(default)s)")
     return p
@@ -54,14 +57,21 @@ def load_model_limits(model: str) -> tuple[ModelLimits, str]:
 
 async def serve(args: argparse.Namespace) -> None:
     limits, fingerprint = load_model_limits(args.model)
-    coordinator = channel(args.coordinator)
-    server = Server(args.host, args.port, [SERVICE_NAME])
-    servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent)
+    coordinator = channel(args.coordinator, settings.COORDINATOR_MAX_MESSAGE_BYTES)
+    server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
+                    max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
+    servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent,
+                                 args.max_request_seconds)
     admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
     # NOT_SERVING until the readiness loop has seen the coordinator serve our model.
     await server.set_serving(False)
     await server.start()
-    readiness = asyncio.create_task(track_readiness(server, coordinator, fingerprint))
+    async def not_ready(error: BaseException) -> None:
+        servicer.set_ready(False, f"readiness check failed: {error!r}")
+        await server.set_serving(False)
+
+    readiness = supervise.start("readiness", lambda: track_readiness(server, servicer, coordinator, fingerprint),
+                                not_ready)
     print(f"admission listening on {args.host}:{server.port} (coordinator {args.coordinator}, "
           f"model {args.model} {fingerprint})", flush=True)
     try:

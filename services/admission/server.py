@@ -1,18 +1,27 @@
-"""The Admission service: validate, tag, limit, forward to the coordinator, stream back with a receipt."""
+"""The Admission service: validate, tag, limit, forward to the coordinator, stream back with a receipt.
+
+Order of work per request, cheapest refusal first: readiness (UNAVAILABLE while the coordinator does not
+serve our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging off
+the event loop within a time budget (INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS while the same
+tenant has it in flight), and only then the coordinator. Every request gets an internal id minted here;
+the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from services.admission.tagger import Tags, tag
+from services.admission.tagger import Tags, classify_size, tag
 from services.admission.validate import ModelLimits, ValidRequest, validate
 from tether import settings
 from tether.grpcutil import Server
@@ -55,27 +64,50 @@ def tags_proto(tags: Tags) -> common_pb2.IntentTags:
     return common_pb2.IntentTags(**dataclasses.asdict(tags))
 
 
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """A request past every check of admission: its internal id, the validated request and its tags."""
+
+    internal_id: str
+    valid: ValidRequest
+    tags: Tags
+
+
 class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     """Generate, GenerateStream and Tag, forwarding to one coordinator over a shared channel."""
 
     def __init__(self, coordinator: grpc.aio.Channel, coordinator_target: str, model: ModelLimits,
-                 model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS) -> None:
+                 model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
+                 max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
+                 tag_budget_s: float = settings.TAG_BUDGET_S) -> None:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
         self.coordinator_target = coordinator_target
         self.model = model
         self.model_fingerprint = model_fingerprint
         self.limit = ConcurrencyLimit(max_concurrent)
+        self.max_lifetime_s = max_lifetime_s
+        self.tag_budget_s = tag_budget_s
+        # Tokenizing and tagging are CPU work: never on the event loop, which must keep streaming tokens.
+        self.tag_pool = ThreadPoolExecutor(max_workers=settings.TAG_WORKERS, thread_name_prefix="admission-tag")
+        self.ready = False                               # set by track_readiness
+        self.not_ready_reason = "admission has not reached its coordinator yet"
+        self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
+
+    def set_ready(self, ready: bool, reason: str) -> None:
+        self.ready, self.not_ready_reason = ready, reason
 
     # ---- RPCs -------------------------------------------------------------------------------------------
 
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
-        valid, tags = await self._admit(request, context)
-        response = admission_pb2.GenerateResponse(tags=tags_proto(tags), seed=valid.sampling.seed)
-        text: list[str] = []
+        await self._check_ready(context)
         await self._acquire(context)
+        a: Admitted | None = None
         try:
-            async with aclosing(self._generate(request, valid, tags, context)) as events:
+            a = await self._admit(request, context)
+            response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags), seed=a.valid.sampling.seed)
+            text: list[str] = []
+            async with aclosing(self._generate(request, a, context)) as events:
                 async for event, receipt in events:
                     response.token_ids.append(event.token_id)
                     text.append(event.text)
@@ -83,50 +115,94 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                         response.finish_reason = event.finish_reason
                         response.receipt.CopyFrom(receipt)
         finally:
-            self.limit.release()
+            self._done(a)
         response.text = "".join(text)
         return response
 
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
-        valid, tags = await self._admit(request, context)
+        await self._check_ready(context)
         await self._acquire(context)
+        a: Admitted | None = None
         try:
-            # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send,
-            # the inner generator must close now, cancelling the coordinator call, not whenever it is collected.
-            async with aclosing(self._generate(request, valid, tags, context)) as events:
+            a = await self._admit(request, context)
+            # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
+            # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
+            async with aclosing(self._generate(request, a, context)) as events:
                 async for event, receipt in events:
                     chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
                                                         text=event.text, finish_reason=event.finish_reason)
                     if event.index == 0:
-                        chunk.tags.CopyFrom(tags_proto(tags))
-                        chunk.seed = valid.sampling.seed
+                        chunk.tags.CopyFrom(tags_proto(a.tags))
+                        chunk.seed = a.valid.sampling.seed
+                        chunk.internal_id = a.internal_id
                     if receipt is not None:
                         chunk.receipt.CopyFrom(receipt)
                     yield chunk
         finally:
-            self.limit.release()
+            self._done(a)
 
     async def Tag(self, request: admission_pb2.TagRequest,
                   context: grpc.aio.ServicerContext) -> admission_pb2.TagResponse:
         as_generate = admission_pb2.GenerateRequest(prompt=request.prompt, sampling=request.sampling,
                                                     tenant=request.tenant, priority=request.priority)
-        _, tags = await self._admit(as_generate, context)
-        return admission_pb2.TagResponse(tags=tags_proto(tags))
+        await self._acquire(context)   # the same CPU work as a request: the same cap
+        try:
+                a = await self._admit(as_generate, context, take_label=False)
+        finally:
+            self.limit.release()
+        return admission_pb2.TagResponse(tags=tags_proto(a.tags))
 
     # ---- steps ------------------------------------------------------------------------------------------
 
-    async def _admit(self, request: admission_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext) -> tuple[ValidRequest, Tags]:
+    async def _check_ready(self, context: grpc.aio.ServicerContext) -> None:
+        """Never forward while the coordinator is down or serves another model: that answer would be wrong."""
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
+
+    def _validate_and_tag(self, request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
+        """On a tag-pool thread: tokenize, validate and tag (linear in the prompt, which is capped in bytes)."""
+        valid = validate(request, self.model)
+        # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
+        tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
         try:
-            valid = validate(request, self.model)
-            # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
-            tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
             tags = tag(valid.prompt, len(valid.prompt_token_ids), valid.sampling.max_tokens,
                        tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
+        except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
+            log.exception("tagger failed; serving the request with empty tags")
+            tags = untagged(valid)
+        return valid, tags
+
+    async def _admit(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                     take_label: bool = True) -> Admitted:
+        """Tokenize, validate and tag; mint the internal id; take the caller's label (released by `_done`)."""
+        loop = asyncio.get_running_loop()
+        try:
+            valid, tags = await asyncio.wait_for(loop.run_in_executor(self.tag_pool, self._validate_and_tag,
+                                                                      request), self.tag_budget_s)
         except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return valid, tags
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the prompt took longer than {self.tag_budget_s:g} s to tokenize and tag; "
+                                f"send a shorter prompt")
+        a = Admitted(uuid.uuid4().hex, valid, tags)
+        if take_label and valid.request_id:
+            key = (valid.tenant, valid.request_id)
+            if key in self.labels:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request_id {valid.request_id!r} is already in flight for tenant "
+                                    f"{valid.tenant or '(default)'}; use a new request_id per request")
+            self.labels[key] = a.internal_id   # checked and taken with no await between
+        return a
+
+    def _done(self, a: Admitted | None) -> None:
+        """The request ended, however: free its concurrency slot and its caller label."""
+        self.limit.release()
+        if a is not None and a.valid.request_id:
+            key = (a.valid.tenant, a.valid.request_id)
+            if self.labels.get(key) == a.internal_id:
+                del self.labels[key]
 
     async def _acquire(self, context: grpc.aio.ServicerContext) -> None:
         """Take a slot under the concurrency cap, or refuse with RESOURCE_EXHAUSTED and a RetryInfo detail."""
@@ -137,24 +213,29 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         details = retry_status_details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, settings.OVERLOAD_RETRY_AFTER_S)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, ((STATUS_DETAILS_KEY, details),))
 
-    async def _generate(self, request: admission_pb2.GenerateRequest, valid: ValidRequest, tags: Tags,
+    async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted,
                         context: grpc.aio.ServicerContext,
                         ) -> AsyncIterator[tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]]:
         """Yield the coordinator's events in order, the last one with its receipt; abort on any error."""
+        valid, tags, rid = a.valid, a.tags, a.internal_id
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(valid.sampling)
         sampling.max_tokens = tags.output_budget
-        submit = coordinator_pb2.SubmitRequest(request_id=valid.request_id, prompt_token_ids=valid.prompt_token_ids,
-                                               sampling=sampling, tenant=valid.tenant, priority=valid.priority)
-        # The caller's deadline bounds the downstream call too, so the coordinator stops working on it in time.
-        call = self.coordinator.Submit(submit, timeout=context.time_remaining())
+        submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+                                               sampling=sampling, tenant=valid.tenant, priority=valid.priority,
+                                               label=valid.request_id)
+        # The caller's deadline bounds the downstream call too, so the coordinator stops working on it in time;
+        # a caller without one gets the maximum lifetime.
+        remaining = context.time_remaining()
+        lifetime_applied = remaining is None
+        call = self.coordinator.Submit(submit, timeout=self.max_lifetime_s if lifetime_applied else remaining)
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
             count = 0
             async for event in call:
                 if event.index != count:
                     failure = (grpc.StatusCode.INTERNAL, f"coordinator skipped a token index: expected {count}, "
-                                                         f"got {event.index} (request {valid.request_id})")
+                                                         f"got {event.index} (request {rid})")
                     break
                 count += 1
                 if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -163,23 +244,35 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                 yield event, common_pb2.Receipt(
                     request_id=valid.request_id, prompt_digest=prompt_digest(request.prompt),
                     prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
-                    output_tokens=count, model_fingerprint=self.model_fingerprint)
+                    output_tokens=count, model_fingerprint=self.model_fingerprint, internal_id=rid)
                 return
             else:
-                failure = (grpc.StatusCode.INTERNAL, f"coordinator ended request {valid.request_id} "
+                failure = (grpc.StatusCode.INTERNAL, f"coordinator ended request {rid} "
                                                      f"without a finish reason after {count} tokens")
         except grpc.aio.AioRpcError as e:
-            failure = (e.code(), f"coordinator {self.coordinator_target} said: {e.details()}")
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and lifetime_applied:
+                failure = (e.code(), f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
+                                     f"(the call set no deadline)")
+            else:
+                failure = (e.code(), f"coordinator {self.coordinator_target} said: {e.details()}")
         finally:
             # Runs on client disconnect and deadline too (grpc.aio cancels this task): stop the coordinator's work.
             call.cancel()
-        log.warning("request %s failed: %s %s", valid.request_id, failure[0].name, failure[1])
+        log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
 
 
-async def track_readiness(server: Server, coordinator: grpc.aio.Channel, model_fingerprint: str,
-                          interval_s: float = settings.READINESS_POLL_S) -> None:
-    """Report SERVING only while the coordinator says it serves the same model; poll forever."""
+def untagged(valid: ValidRequest) -> Tags:
+    """Tags with every intent dimension left empty: what a request gets if the tagger itself fails."""
+    budget = valid.sampling.max_tokens
+    return Tags(input_tokens=len(valid.prompt_token_ids), language="", length_limit=0, length_unit="",
+                output_budget=budget, task="", size_class=classify_size(budget), domain="", audience="",
+                priority=valid.priority, tenant=valid.tenant, turns=1, prefix_key=0)
+
+
+async def track_readiness(server: Server, servicer: AdmissionServicer, coordinator: grpc.aio.Channel,
+                          model_fingerprint: str, interval_s: float = settings.READINESS_POLL_S) -> None:
+    """Report SERVING only while the coordinator says it serves the same model; poll forever (supervised)."""
     stub = coordinator_pb2_grpc.CoordinatorStub(coordinator)
     serving: bool | None = None
     reason = ""
@@ -196,6 +289,7 @@ async def track_readiness(server: Server, coordinator: grpc.aio.Channel, model_f
                 now, why = True, "coordinator serving"
         except grpc.aio.AioRpcError as e:
             now, why = False, f"coordinator unreachable: {e.code().name} {e.details()}"
+        servicer.set_ready(now, why)
         if now != serving or why != reason:
             await server.set_serving(now)
             log.log(logging.INFO if now else logging.WARNING, "admission %s (%s)",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import secrets
-import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,7 +44,7 @@ class ValidRequest:
     sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and (when sampling) seed filled in
     tenant: str
     priority: str                            # critical | standard | sheddable
-    request_id: str                          # the caller's, or a fresh one
+    request_id: str                          # the caller's label ("" when none): never a key downstream
 
 
 def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
@@ -92,7 +91,7 @@ def _check_request_id(request_id: str) -> str:
     if len(request_id) > settings.MAX_REQUEST_ID_CHARS or not _PRINTABLE_ASCII.fullmatch(request_id):
         raise ValidationError(f"request_id must be at most {settings.MAX_REQUEST_ID_CHARS} printable ASCII "
                               f"characters; got {request_id[:160]!r}")
-    return request_id or uuid.uuid4().hex  # the receipt and every log line need an id
+    return request_id   # a label: admission mints the internal id every piece of state is keyed by
 
 
 def _normalize_sampling(given: common_pb2.SamplingParams, vocab_size: int) -> common_pb2.SamplingParams:

@@ -9,6 +9,10 @@ recovers a request's state when anything goes wrong (docs/PROTOCOL.md "Recovery"
   every active request and continues; requests fail with UNAVAILABLE only after `recovery_window_s`.
 Tokens already sent to a client never change: a rebuild replays them as context, and sampling is keyed
 by (seed, position), so generation continues exactly where it was.
+
+Every path that ends a request (finish, cancel, failure, a crash of this loop) queues a Release of its
+state on every stage; `run` is supervised (tether/supervise.py): an unexpected error fails the active
+requests with INTERNAL, turns health NOT_SERVING and restarts the loop.
 """
 
 from __future__ import annotations
@@ -26,10 +30,24 @@ from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.scheduler import Request, Scheduler
 from tether import settings
 from tether.engine.sequence import TokenOut
+from tether.protocol.hashing import token_hash
 from tether.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 R = stage_pb2.RejectReason
+RELEASE_ATTEMPTS = 3    # a Release that fails is retried this often; past that the stages' leases free it
+
+
+class DuplicateRequest(Exception):
+    """A request id that is already active: ids key every piece of state, so they must be unique."""
+
+
+def reason_name(reason: int) -> str:
+    """A RejectReason's name; a value this build does not know (a newer or hostile peer) still gets one."""
+    try:
+        return R.Name(reason)
+    except ValueError:
+        return f"UNKNOWN_REASON_{reason}"
 
 
 @dataclass
@@ -57,6 +75,7 @@ class Engine:
                  stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
+        self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
         self.frame_timeout_s = frame_timeout_s
         self.recovery_window_s = recovery_window_s
         self.max_rebuilds = max_rebuilds
@@ -65,6 +84,7 @@ class Engine:
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
         self.to_release: list[str] = []
+        self.release_attempts: dict[str, int] = {}   # request id -> failed Release attempts so far
         self.wake = asyncio.Event()
         self.serving = False
         self.status = "connecting"
@@ -76,16 +96,19 @@ class Engine:
     def submit(self, req: Request) -> asyncio.Queue:
         if not self.serving:
             raise PipelineDown(f"pipeline not serving: {self.status}")
+        if req.id in self.sinks or req.id in self.sched.running:
+            raise DuplicateRequest(f"request id {req.id} is already in flight")
         q: asyncio.Queue = asyncio.Queue()
         self.sinks[req.id] = q
         self.sched.add(req)
         self.wake.set()
         return q
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a request (client gone or Cancel); its state is released once no frame of it is in flight."""
+    def cancel(self, request_id: str, only: Request | None = None) -> bool:
+        """Stop a request (client gone or Cancel); its state is released once no frame of it is in flight.
+        With `only`, stop it only if the active request of that id is that very object."""
         req = self.sched.running.get(request_id) or next((r for r in self.sched.waiting if r.id == request_id), None)
-        if req is None:
+        if req is None or (only is not None and req is not only):
             return False
         self._finish(req, None)
         return True
@@ -114,6 +137,7 @@ class Engine:
                 self._unavailable(str(e))
                 await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
                 continue
+            self._apply_stage_limits()
             if self.on_serving is not None:
                 await self.on_serving(True)   # health first: whoever sees `serving` finds health agreeing
             self.serving, self.status = True, "serving"
@@ -130,8 +154,38 @@ class Engine:
                     tg.create_task(self._watchdog())
             except* PipelineDown as eg:
                 self._broken(str(eg.exceptions[0]))
-            self.pipeline.close_stream()
+            finally:
+                self.pipeline.close_stream()
             await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
+
+    def _apply_stage_limits(self) -> None:
+        """Never send a frame a stage said (at handshake) it would refuse."""
+        slots, rows = self.pipeline.frame_limits()
+        self.sched.max_slots = min(self.max_slots, slots) if slots else self.max_slots
+        self.sched.max_tokens = min(self.max_tokens, rows) if rows else self.max_tokens
+
+    async def crashed(self, error: BaseException) -> None:
+        """The loop died of an unexpected error (a bug, a peer answering outside the contract): fail every
+        active request explicitly, free their state, and report NOT_SERVING until the restarted loop has
+        handshaken again. Nothing waits on a loop that is gone."""
+        if isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        why = f"coordinator engine failed: {type(error).__name__}: {error}"
+        self._not_serving()
+        self.status = f"restarting: {why}"
+        self.pipeline.close_stream()
+        for req in self.active():
+            req.in_flight = False
+            self._finish(req, Failure(grpc.StatusCode.INTERNAL, f"{why}; the request was stopped"))
+        self.frames.clear()
+        self.sched.frames_in_flight = 0
+        self.down_since = None
+        ids, self.to_release = self.to_release, []
+        if ids:
+            try:
+                await self.pipeline.release(ids)
+            except Exception:   # noqa: BLE001 - best effort; the stages' leases are the backstop
+                log.warning("release of %d request(s) after the crash failed", len(ids))
 
     def _not_serving(self) -> None:
         if self.serving and self.on_serving is not None:
@@ -153,6 +207,8 @@ class Engine:
         for _, batch in self.frames.values():
             for req in batch:
                 req.in_flight = False
+                if req.done:   # cancelled while its frame was in flight: nothing else will release it
+                    self.to_release.append(req.id)
         self.frames.clear()
         self.sched.frames_in_flight = 0
 
@@ -181,12 +237,29 @@ class Engine:
             self.wake.clear()
             if self.to_release:
                 ids, self.to_release = self.to_release, []
-                self._spawn(self.pipeline.release(ids))
+                self._spawn(self._release(ids))
             while batch := self.sched.next_batch():
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed) for r in batch]
                 self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
                 await self.pipeline.send(slots)
+
+    async def _release(self, ids: list[str]) -> None:
+        """Release on every stage; ids a stage failed to release are queued again, a few times at most."""
+        failed = await self.pipeline.release(ids)
+        for rid in ids:
+            if rid not in failed:
+                self.release_attempts.pop(rid, None)
+                continue
+            attempts = self.release_attempts.get(rid, 0) + 1
+            if attempts < RELEASE_ATTEMPTS:
+                self.release_attempts[rid] = attempts
+                self.to_release.append(rid)
+            else:
+                self.release_attempts.pop(rid, None)
+                log.warning("release of %s failed %d times; the stages' lease will free it", rid, attempts)
+        if failed:
+            self.wake.set()
 
     async def _receive(self) -> None:
         async for reply in self.pipeline.replies():
@@ -215,7 +288,7 @@ class Engine:
         elif self.stamp_checks and not req.echo_matches(res.stamp):
             self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
         elif not res.ok:
-            self._rebuild(req, R.Name(res.reason), f"stage {res.stage_index}: {res.detail}")
+            self._rebuild(req, reason_name(res.reason), f"stage {res.stage_index}: {res.detail}")
         elif not req.samples:
             if res.has_token:
                 self._rebuild(req, "ECHO_MISMATCH", "a token came back for a prefill chunk")
@@ -223,7 +296,8 @@ class Engine:
                 req.confirm()          # a prefill chunk landed on every stage; the next chunk follows
         elif not res.has_token:
             self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
-        elif self.stamp_checks and res.token_hash != req.seq.hasher.peek([res.token_id]):
+        elif self.stamp_checks and res.token_hash != token_hash(req.seq.hasher.peek([res.token_id]), req.id,
+                                                                req.sampling_digest):
             self._rebuild(req, "TOKEN_HASH_MISMATCH", "the token does not extend the chain it was sampled from")
         else:
             req.confirm()
@@ -234,7 +308,7 @@ class Engine:
                 q.put_nowait(out)
             if out.finish_reason:
                 self.counters.finished += 1
-                if req.retries or req.resumed:
+                if req.recoveries:
                     self.counters.recovered += 1
                 self._finish(req, None)
 
@@ -243,10 +317,10 @@ class Engine:
         self.counters.rejections[reason] += 1
         log.info("request %s: %s (%s)", req.id, reason, detail)
         req.in_flight = False
-        if req.retries >= self.max_rebuilds:
+        if req.recoveries >= self.max_rebuilds:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "NO_CAPACITY" else grpc.StatusCode.ABORTED
             self._finish(req, Failure(code, f"request state could not be verified after {req.retries} "
-                                            f"rebuilds; last: {reason}: {detail}"))
+                                            f"rebuilds and {req.resumes} resumes; last: {reason}: {detail}"))
             return
         self.counters.rebuilds += 1
         req.rebuild()   # tokens already sent stay as they are: they are replayed as context
@@ -267,7 +341,11 @@ class Engine:
                    and s.context_hash == req.fed_hash.value for s in states):
                 req.in_flight = False
                 req.sent = None
-                req.resumed = True
+                if req.recoveries >= self.max_rebuilds:
+                    self._finish(req, Failure(grpc.StatusCode.ABORTED, f"request lost frames {req.recoveries + 1} "
+                                              f"times (budget {self.max_rebuilds}); last resume after a sync"))
+                    continue
+                req.resumes += 1
                 self.counters.resumes += 1
             else:
                 why = ", ".join(f"stage {i}: " + ("nothing" if s is None or not s.held else

@@ -9,7 +9,7 @@ import logging
 from services.coordinator.engine import Engine
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
-from tether import grpcutil, settings
+from tether import grpcutil, settings, supervise
 from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rebuilds", type=int, default=settings.MAX_REBUILDS,
                    help="times one request's state may be replayed after integrity failures before it fails "
                         "with ABORTED (default: %(default)s)")
+    p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
+                   help="lifetime of a request whose caller set no deadline; past it the request ends with "
+                        "DEADLINE_EXCEEDED and its state is released (default: %(default)s)")
     add_experiment_flags(p, "the frames this coordinator sends")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
@@ -56,15 +59,17 @@ async def serve(args: argparse.Namespace) -> None:
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
     pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config))
-    server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"])
+    server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"],
+                             max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES)
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-        CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint), server.server)
+        CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds),
+        server.server)
     await server.start()
     await server.set_serving(False)
-    loop_task = asyncio.create_task(engine.run())
+    loop_task = supervise.start("engine", engine.run, engine.crashed)
     print(f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})", flush=True)
     try:
         await server.wait_for_signal()

@@ -35,11 +35,19 @@ class Pipeline:
         self.call = None
         self.seq = 0
         self.faults = faults or FaultInjector()    # off unless configured: the chaos experiments' hook
+        # Stages free what an earlier coordinator process left behind when they see a new instance.
+        self.instance = secrets.token_hex(8)
         self.outbound = OutboundFaults(self.faults, self._write)
 
     @property
     def num_stages(self) -> int:
         return len(self.addresses)
+
+    def frame_limits(self) -> tuple[int, int]:
+        """(slots, rows) per frame that every stage of the handshaken route accepts (0 = no stage said)."""
+        slots = [s.max_frame_slots for s in self.stages if s.max_frame_slots]
+        rows = [s.max_frame_rows for s in self.stages if s.max_frame_rows]
+        return (min(slots) if slots else 0), (min(rows) if rows else 0)
 
     async def connect(self) -> None:
         """Handshake down the chain under a fresh pipeline epoch, then open the Forward stream."""
@@ -47,7 +55,7 @@ class Pipeline:
         req = stage_pb2.HandshakeRequest(
             protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=self.fingerprint,
             route=[stage_pb2.RouteEntry(address=a) for a in self.addresses], index=0, prev_layer_end=0,
-            pipeline_epoch=epoch, dtype=self.dtype)
+            pipeline_epoch=epoch, dtype=self.dtype, coordinator_instance=self.instance)
         stub = stage_pb2_grpc.StageStub(self.channels[self.addresses[0]])
         try:
             reply = await stub.Handshake(req, timeout=15)
@@ -106,13 +114,16 @@ class Pipeline:
             self.call.cancel()
             self.call = None
 
-    async def release(self, request_ids: list[str]) -> None:
-        """Free these requests' KV on every stage (best effort: leases catch what is lost)."""
+    async def release(self, request_ids: list[str]) -> set[str]:
+        """Free these requests' KV on every stage; the ids that some stage could not be told about."""
         req = stage_pb2.ReleaseRequest(request_ids=request_ids)
         calls = [stage_pb2_grpc.StageStub(ch).Release(req, timeout=5) for ch in self.channels.values()]
-        for res in await asyncio.gather(*calls, return_exceptions=True):
+        failed: set[str] = set()
+        for address, res in zip(self.channels, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(res, Exception):
-                log.debug("release failed: %s", res)
+                log.info("release of %d request(s) on %s failed: %s", len(request_ids), address, res)
+                failed.update(request_ids)
+        return failed
 
     async def close(self) -> None:
         self.close_stream()

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tether.engine.sequence import Sequence
-from tether.protocol.hashing import ContextHasher
+from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
 
 PRIORITY_ORDER = {"critical": 0, "standard": 1, "sheddable": 2}
@@ -27,13 +27,23 @@ class Request:
     fed_hash: ContextHasher = None     # type: ignore[assignment]  # chain over those tokens
     in_flight: bool = False
     retries: int = 0                   # rebuilds so far
-    resumed: bool = False              # resumed after a sync at least once
+    resumes: int = 0                   # resumes after a sync so far (they count against the same budget)
     done: bool = False                 # finished, failed or cancelled: never scheduled again
     sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
 
     def __post_init__(self) -> None:
         if self.fed_hash is None:
             self.fed_hash = ContextHasher(self.seq.hash_seed)
+        self.sampling_digest = sampling_digest(self.seq.sampling)
+
+    @property
+    def resumed(self) -> bool:
+        return self.resumes > 0
+
+    @property
+    def recoveries(self) -> int:
+        """Rebuilds and resumes so far: both count against the request's recovery budget."""
+        return self.retries + self.resumes
 
     @property
     def id(self) -> str:
@@ -49,7 +59,8 @@ class Request:
         default). A stamp that stops short of the end is a prefill chunk: no token is sampled after it."""
         ids = self.seq.all_ids[self.fed:self.fed + limit] if limit else self.seq.all_ids[self.fed:]
         return stage_pb2.Stamp(request_id=self.id, epoch=self.epoch, position=self.fed, token_ids=ids,
-                               parent_hash=self.fed_hash.value, context_hash=self.fed_hash.peek(ids))
+                               parent_hash=self.fed_hash.value, context_hash=self.fed_hash.peek(ids),
+                               sampling_digest=self.sampling_digest)
 
     @property
     def samples(self) -> bool:
@@ -60,7 +71,7 @@ class Request:
         s = self.sent
         return (s is not None and echo.request_id == s.request_id and echo.epoch == s.epoch
                 and echo.position == s.position and echo.parent_hash == s.parent_hash
-                and echo.context_hash == s.context_hash)
+                and echo.context_hash == s.context_hash and echo.sampling_digest == s.sampling_digest)
 
     def confirm(self) -> None:
         """The frame in flight was processed by every stage: they now hold what it carried."""

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import grpc
 
-from services.coordinator.engine import Engine, Failure
+from services.coordinator.engine import DuplicateRequest, Engine, Failure
 from services.coordinator.pipeline import PipelineDown
 from services.coordinator.scheduler import Request
 from tether.engine.sequence import Sequence
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
+from tether import settings
 from tether.protocol.hashing import hash_seed
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -21,14 +21,19 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
+                 max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S) -> None:
         self.engine = engine
+        self.max_lifetime_s = max_lifetime_s
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.fingerprint = fingerprint
 
     def _validate(self, request: coordinator_pb2.SubmitRequest) -> str | None:
         n = len(request.prompt_token_ids)
+        if not request.request_id or len(request.request_id) > settings.MAX_REQUEST_ID_CHARS:
+            return (f"request_id must be 1 to {settings.MAX_REQUEST_ID_CHARS} characters (admission mints one "
+                    f"per request)")
         if n == 0:
             return "prompt_token_ids is empty"
         if max(request.prompt_token_ids) >= self.cfg.vocab_size:
@@ -46,7 +51,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         error = self._validate(request)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        rid = request.request_id or uuid.uuid4().hex
+        rid = request.request_id
         seq = Sequence(rid, list(request.prompt_token_ids), request.sampling, self.tokenizer,
                        hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
         req = Request(seq, tenant=request.tenant, priority=request.priority or "standard")
@@ -54,10 +59,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             events = self.engine.submit(req)
         except PipelineDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except DuplicateRequest as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        # A caller that set no deadline still gets one: nothing waits forever on a wedged request. (A gRPC
+        # deadline, which admission always sets, cancels this handler by itself.)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_lifetime_s if context.time_remaining() is None else None
         finished = False
         try:
             while True:
-                ev = await events.get()
+                if deadline is None:
+                    ev = await events.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(events.get(), deadline - loop.time())
+                    except TimeoutError:
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"request {rid} ran past the coordinator's maximum lifetime of "
+                                            f"{self.max_lifetime_s:g} s (the caller set no deadline)")
                 if isinstance(ev, Failure):
                     finished = True
                     await context.abort(ev.code, ev.message)
@@ -67,8 +86,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     finished = True
                     return
         finally:
-            if not finished:   # client went away or the call was cancelled: free the request now
-                self.engine.cancel(rid)
+            if not finished:   # client went away, the call was cancelled or ran out of time: free it now
+                self.engine.cancel(rid, only=req)
 
     async def Cancel(self, request, context):
         return coordinator_pb2.CancelReply(found=self.engine.cancel(request.request_id))

@@ -9,8 +9,8 @@ import logging
 import torch
 
 from services.stage_worker.server import StageServicer
-from services.stage_worker.worker import StageWorker
-from tether import grpcutil, settings
+from services.stage_worker.worker import FrameLimits, StageWorker
+from tether import grpcutil, settings, supervise
 from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig, parse_layers
@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int, default=settings.MAX_FORWARD_STREAMS,
                    help="Forward streams served at once; more are refused with RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
+    p.add_argument("--max-streams-per-peer", type=int, default=settings.MAX_STREAMS_PER_PEER,
+                   help="Forward streams served at once from one peer address (default: %(default)s)")
+    p.add_argument("--max-frame-rows", type=int, default=settings.STAGE_MAX_FRAME_ROWS,
+                   help="token rows one frame may carry over all its slots; advertised at handshake, frames "
+                        "beyond are refused (default: %(default)s)")
+    p.add_argument("--max-frame-slots", type=int, default=settings.STAGE_MAX_FRAME_SLOTS,
+                   help="requests one frame may carry; advertised at handshake, frames beyond are refused "
+                        "(default: %(default)s)")
     p.add_argument("--stream-idle", type=float, default=settings.STREAM_IDLE_S, metavar="SECONDS",
                    help="close a Forward stream with no frame in and no reply out for this long "
                         "(default: %(default)s)")
@@ -58,15 +66,17 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"])
     address = f"{args.host}:{server.port}"
     checks = not args.unsafe_disable_stamp_checks
-    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype, stamp_checks=checks)
+    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype, stamp_checks=checks,
+                         limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
     faults = FaultInjector(args.fault_config)
     servicer = StageServicer(worker, fingerprint, address, args.kv_capacity, args.lease, faults=faults,
-                             stream_idle_s=args.stream_idle, max_streams=args.max_streams)
+                             stream_idle_s=args.stream_idle, max_streams=args.max_streams,
+                             max_streams_per_peer=args.max_streams_per_peer)
     from tether.v1 import stage_pb2_grpc
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     await server.start()
     await server.set_serving(True)
-    leases = asyncio.create_task(servicer.expire_leases())
+    leases = supervise.start("lease", servicer.expire_leases)
     print(f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, model {fingerprint})",
           flush=True)
     try:
@@ -79,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     follow_parent()
-    if args.max_streams < 1 or args.stream_idle <= 0:
-        parser.error("--max-streams must be >= 1 and --stream-idle > 0")
+    if min(args.max_streams, args.max_streams_per_peer, args.max_frame_rows, args.max_frame_slots) < 1 \
+            or args.stream_idle <= 0:
+        parser.error("--max-streams, --max-streams-per-peer, --max-frame-rows and --max-frame-slots must be >= 1 "
+                     "and --stream-idle > 0")
     grpcutil.configure_logging("stage", args.log_level)
     args.fault_config = experiment_config(parser, args, log)
     if args.threads:

@@ -4,8 +4,9 @@ Each upstream Forward stream gets its own downstream stream to the next stage; r
 merged with this stage's own rejections and relayed upstream, so results reach the coordinator on the
 stream it opened. A broken downstream aborts the upstream stream with UNAVAILABLE: nothing hangs.
 
-Hostile input (docs/PROTOCOL.md): at most `max_streams` Forward streams at once (RESOURCE_EXHAUSTED
-beyond), a stream with no frame in and no reply out for `stream_idle_s` is closed (DEADLINE_EXCEEDED), an
+Hostile input (docs/PROTOCOL.md): at most `max_streams` Forward streams at once, and `max_streams_per_peer`
+from one peer address (RESOURCE_EXHAUSTED beyond), a frame over the advertised row/slot limits is refused
+(BAD_FRAME for every slot), a stream with no frame in and no reply out for `stream_idle_s` is closed (DEADLINE_EXCEEDED), an
 undecodable frame ends its stream with INVALID_ARGUMENT, gRPC itself refuses messages over
 settings.GRPC_MAX_MESSAGE_BYTES (RESOURCE_EXHAUSTED), and a bounded reply queue plus HTTP/2 flow control
 bound a stream's memory when its client stops reading.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -36,7 +38,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, fingerprint: str, address: str, kv_capacity: int,
                  lease_s: float = settings.KV_LEASE_S, faults: FaultInjector | None = None,
                  stream_idle_s: float = settings.STREAM_IDLE_S,
-                 max_streams: int = settings.MAX_FORWARD_STREAMS) -> None:
+                 max_streams: int = settings.MAX_FORWARD_STREAMS,
+                 max_streams_per_peer: int = settings.MAX_STREAMS_PER_PEER) -> None:
         self.worker = worker
         self.model = worker.model
         self.fingerprint = fingerprint
@@ -45,7 +48,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.lease_s = lease_s
         self.stream_idle_s = stream_idle_s
         self.max_streams = max_streams
+        self.max_streams_per_peer = max_streams_per_peer
         self.open_streams = 0
+        self.streams_by_peer: Counter[str] = Counter()   # peer address (host) -> Forward streams open
+        self.coordinator_instance: str | None = None
         self.faults = _StageFaults(faults) if faults is not None and faults.enabled else None
         self.pipeline_epoch: int | None = None
         self.next_address: str | None = None
@@ -63,7 +69,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.StageInfo(
             address=self.address, layer_start=m.layer_start, layer_end=m.layer_end, has_embedding=m.has_embedding,
             has_head=m.has_head, model_fingerprint=self.fingerprint, protocol_version=settings.PROTOCOL_VERSION,
-            kv_capacity_tokens=self.kv_capacity, num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype)
+            kv_capacity_tokens=self.kv_capacity, num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
+            max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
+            max_streams_per_peer=self.max_streams_per_peer)
 
     def _refusal(self, req: stage_pb2.HandshakeRequest) -> str | None:
         m = self.model
@@ -115,6 +123,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 return stage_pb2.HandshakeReply(ok=False, error=reply.error, stages=stages)
         self.pipeline_epoch = request.pipeline_epoch
         self.worker.index = request.index
+        if request.coordinator_instance != self.coordinator_instance:
+            if self.coordinator_instance is not None:
+                # The state held belongs to a coordinator process that is gone: nobody will release it.
+                freed = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.worker.state.release, list(self.worker.state.requests))
+                log.info("new coordinator instance %s: freed %d request state(s) of the previous one",
+                         request.coordinator_instance or "(unnamed)", freed)
+            self.coordinator_instance = request.coordinator_instance
         log.info("handshake ok: stage %d of %d, layers [%d, %d), pipeline epoch %x", request.index,
                  len(request.route), self.model.layer_start, self.model.layer_end, request.pipeline_epoch)
         return stage_pb2.HandshakeReply(ok=True, stages=stages)
@@ -123,11 +139,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Forward(self, request_iterator, context):
         if self.pipeline_epoch is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no handshake yet: stage is not part of a pipeline")
+        peer = peer_host(context.peer())
         if self.open_streams >= self.max_streams:
+            self.worker.refusals["STREAMS"] += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.who} already has {self.open_streams} Forward streams open (limit "
                                 f"{self.max_streams}); close one before opening another")
+        if self.streams_by_peer[peer] >= self.max_streams_per_peer:
+            self.worker.refusals["STREAMS_PER_PEER"] += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.who} already has {self.streams_by_peer[peer]} Forward streams open from "
+                                f"{peer} (limit {self.max_streams_per_peer} per peer, advertised at handshake)")
         self.open_streams += 1
+        self.streams_by_peer[peer] += 1
         relay = _Relay(self, context, asyncio.current_task())
         tasks = [asyncio.create_task(relay.pump(request_iterator)), asyncio.create_task(relay.watch_idle())]
         try:
@@ -143,6 +167,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 relay.touch()
         finally:
             self.open_streams -= 1
+            self.streams_by_peer[peer] -= 1
+            if self.streams_by_peer[peer] <= 0:
+                del self.streams_by_peer[peer]
             for t in tasks:
                 t.cancel()
             await relay.close()
@@ -165,7 +192,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             return stage_pb2.StageStats(
                 faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
                 kv_used_tokens=w.pool.used_tokens, kv_capacity_tokens=w.pool.capacity_tokens,
-                stamp_checks=w.stamp_checks, forward_streams=streams)
+                stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals))
         return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 
     async def Release(self, request, context):
@@ -174,12 +201,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.ReleaseReply(released=n)
 
     async def expire_leases(self) -> None:
+        """Forever (supervised by the caller): free state idle past the lease."""
         while True:
             await asyncio.sleep(max(1.0, self.lease_s / 10))
             stale = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.worker.state.expire, self.lease_s)
             if stale:
                 log.info("lease expired: freed %d idle request(s)", len(stale))
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string ("ipv4:127.0.0.1:5432" -> "ipv4:127.0.0.1"): streams are
+    counted per peer machine, not per connection (a new connection per stream must not escape the limit)."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 class _StageFaults:
@@ -218,7 +252,9 @@ class _Relay:
         self.out: asyncio.Queue = asyncio.Queue(maxsize=_OUT_BUFFER)
         self.last_seq = 0
         self.down_seq = 0
-        self.pending: dict[int, tuple[int, list]] = {}   # downstream seq -> (upstream seq, own results)
+        # downstream seq -> (upstream seq, own results); bounded: a frame the next stage never answers is
+        # forgotten once RELAY_PENDING_MAX newer ones wait (the coordinator times it out on its own)
+        self.pending: OrderedDict[int, tuple[int, list]] = OrderedDict()
         self.down_call = None
         self.down_reader: asyncio.Task | None = None
         self.write_lock = asyncio.Lock()                  # the pump and a reorder flush both write downstream
@@ -307,6 +343,8 @@ class _Relay:
         self.down_seq += 1
         outcome.forward.stream_seq = self.down_seq   # before any fault: a duplicate or reorder shows in the seq
         self.pending[self.down_seq] = (seq, outcome.results)
+        while len(self.pending) > settings.RELAY_PENDING_MAX:
+            self.pending.popitem(last=False)
         if self.svc.faults is not None:
             if self.faulty is None:
                 self.faulty = OutboundFaults(self.svc.faults.injector, self.write_down)

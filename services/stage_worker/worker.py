@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from services.stage_worker.state import Admitted, Rejected, StageState
+from tether import settings
 from tether.engine import sampler
 from tether.kv.cache import KVPool, NoCapacity
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
-from tether.protocol.hashing import payload_digest
+from tether.protocol.hashing import payload_digest, sampling_digest, token_hash
 from tether.v1 import stage_pb2
 
 R = stage_pb2.RejectReason
@@ -31,19 +32,30 @@ class StepOutcome:
 def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
     """The stamp as echoed back: everything but the token ids."""
     return stage_pb2.Stamp(request_id=stamp.request_id, epoch=stamp.epoch, position=stamp.position,
-                           parent_hash=stamp.parent_hash, context_hash=stamp.context_hash)
+                           parent_hash=stamp.parent_hash, context_hash=stamp.context_hash,
+                           sampling_digest=stamp.sampling_digest)
 
 
 def frame_digest(frame: stage_pb2.Frame) -> int:
     return payload_digest(frame.activations.data, [s.stamp.context_hash for s in frame.slots])
 
 
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one frame may ask of this stage; advertised in the handshake and enforced here, whatever the
+    coordinator sends (a peer that ignores them gets every slot rejected with BAD_FRAME, nothing run)."""
+
+    max_rows: int = settings.STAGE_MAX_FRAME_ROWS
+    max_slots: int = settings.STAGE_MAX_FRAME_SLOTS
+
+
 class StageWorker:
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32",
-                 stamp_checks: bool = True) -> None:
+                 stamp_checks: bool = True, limits: FrameLimits = FrameLimits()) -> None:
         self.model = model
         self.index = index
         self.dtype = dtype
+        self.limits = limits
         self.pool = KVPool(kv_capacity_tokens)
         # stamp_checks=False is --unsafe-disable-stamp-checks: no digest and no per-slot checks 1, 2, 4.
         # It exists only to reproduce the wrong answers those checks prevent; never a default.
@@ -52,6 +64,7 @@ class StageWorker:
                                 checks=stamp_checks)
         self.slots_rejected = 0
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
+        self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.slots_rejected += 1
@@ -64,6 +77,12 @@ class StageWorker:
 
     def process(self, frame: stage_pb2.Frame) -> StepOutcome:
         """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
+        rows = sum(len(s.stamp.token_ids) for s in frame.slots)
+        if len(frame.slots) > self.limits.max_slots or rows > self.limits.max_rows:
+            self.refusals["FRAME_SLOTS" if len(frame.slots) > self.limits.max_slots else "FRAME_ROWS"] += 1
+            return self.reject_all(frame, R.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
+                                                       f"stage takes at most {self.limits.max_slots} slots and "
+                                                       f"{self.limits.max_rows} rows (advertised at handshake)")
         if self.stamp_checks and frame_digest(frame) != frame.payload_digest:
             return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
@@ -71,7 +90,6 @@ class StageWorker:
                 return StepOutcome()
             return StepOutcome(forward=self._next_frame(frame, [], torch.empty(0, self.model.cfg.hidden_size,
                                                                                  dtype=self.model.dtype)))
-        rows = sum(len(s.stamp.token_ids) for s in frame.slots)
         hidden = None
         if not self.model.has_embedding:
             try:
@@ -82,34 +100,13 @@ class StageWorker:
             return self.reject_all(frame, R.BAD_FRAME, "the first stage takes token ids, not activations")
         out = StepOutcome()
         admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
-        seen: set[str] = set()
-        vocab = self.model.cfg.vocab_size
-        row = 0
-        for slot in frame.slots:
-            n = len(slot.stamp.token_ids)
-            try:
-                if slot.stamp.request_id in seen:
-                    raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
-                seen.add(slot.stamp.request_id)
-                if self.model.has_embedding and n and max(slot.stamp.token_ids) >= vocab:
-                    # hashes can be consistent over any ids: this stage must not index its embedding with them
-                    raise Rejected(R.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
-                                                f"of {vocab}")
-                a = self.state.check(slot)
-                try:
-                    a.state.kv.ensure(a.position + n)
-                except NoCapacity as e:
-                    self.state.abandon(a)
-                    raise Rejected(R.NO_CAPACITY, str(e)) from None
-                if a.position > a.state.kv.length:
-                    # Only without the checks: a slot may start past what the stage holds, and the rows in
-                    # between must read as zeros (wrong state, as in a pipeline without stamps), never as
-                    # whatever an earlier failed step left there.
-                    a.state.kv.zero(a.state.kv.length, a.position)
-                admitted.append((slot, a, row))
-            except Rejected as e:
-                out.results.append(self.reject(slot, e.reason, e.detail))
-            row += n
+        try:
+            self._admit_slots(frame, admitted, out)
+        except Exception:
+            # e.g. the arena failing to grow: nothing admitted so far may stay half-allocated and unfindable
+            for _, a, _ in admitted:
+                self.state.abandon(a)
+            raise
         if not admitted:
             return out
         try:
@@ -125,6 +122,40 @@ class StageWorker:
         else:
             out.forward = self._next_frame(frame, admitted, h)
         return out
+
+    def _admit_slots(self, frame: stage_pb2.Frame, admitted: list, out: StepOutcome) -> None:
+        """Checks 1, 2, 4 per slot; append what passed to `admitted` (with its first row), reject the rest."""
+        seen: set[str] = set()
+        vocab = self.model.cfg.vocab_size
+        row = 0
+        for slot in frame.slots:
+            n = len(slot.stamp.token_ids)
+            try:
+                if slot.stamp.request_id in seen:
+                    raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
+                seen.add(slot.stamp.request_id)
+                if self.model.has_embedding and n and max(slot.stamp.token_ids) >= vocab:
+                    # hashes can be consistent over any ids: this stage must not index its embedding with them
+                    raise Rejected(R.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
+                                                f"of {vocab}")
+                if (self.model.has_head and slot.sample and self.stamp_checks
+                        and sampling_digest(slot.sampling) != slot.stamp.sampling_digest):
+                    raise Rejected(R.BAD_FRAME, "the slot's sampling parameters do not match its stamp")
+                a = self.state.check(slot)
+                try:
+                    a.state.kv.ensure(a.position + n)
+                except NoCapacity as e:
+                    self.state.abandon(a)
+                    raise Rejected(R.NO_CAPACITY, str(e)) from None
+                if a.position > a.state.kv.length:
+                    # Only without the checks: a slot may start past what the stage holds, and the rows in
+                    # between must read as zeros (wrong state, as in a pipeline without stamps), never as
+                    # whatever an earlier failed step left there.
+                    a.state.kv.zero(a.state.kv.length, a.position)
+                admitted.append((slot, a, row))
+            except Rejected as e:
+                out.results.append(self.reject(slot, e.reason, e.detail))
+            row += n
 
     def _run(self, frame, admitted, hidden: torch.Tensor | None) -> torch.Tensor:
         slots = [SlotRows(a.state.kv, a.position, len(a.token_ids)) for _, a, _ in admitted]
@@ -148,7 +179,9 @@ class StageWorker:
             if slot.sample:
                 res.has_token = True
                 res.token_id = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
-                res.token_hash = a.state.hasher.peek([res.token_id])   # committed chain + the token
+                # committed chain + the token, bound to the request id and the parameters actually used
+                res.token_hash = token_hash(a.state.hasher.peek([res.token_id]), slot.stamp.request_id,
+                                            sampling_digest(slot.sampling))
                 k += 1
             results.append(res)
         return results

@@ -74,7 +74,7 @@ def run_demo(target: str) -> None:
                   f"length_limit={r.tags.get('length_limit')}{r.tags.get('length_unit')} "
                   f"domain={r.tags.get('domain')} audience={r.tags.get('audience')}\n"
                   f"  answer ({len(r.token_ids)} tokens, {r.finish_reason}): {r.text!r}\n"
-                  f"  receipt: request {r.receipt.request_id} context hash {r.receipt.context_hash:016x}", flush=True)
+                  f"  receipt: request {r.receipt.internal_id} context hash {r.receipt.context_hash:016x}", flush=True)
     print("\n(the default model's weights are random: its answers are noise; serve a real checkpoint with "
           "`tether up --model /path/to/hf-folder`)", flush=True)
 

@@ -36,6 +36,11 @@ class AsyncStream:
     def seed(self) -> int:
         return self._assembler.seed
 
+    @property
+    def internal_id(self) -> str:
+        """The id admission minted for this request (set with the first token; "" before)."""
+        return self._assembler.internal_id
+
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
             async for chunk in self._call:

@@ -1,4 +1,4 @@
-"""Client-side checks of an answer against the request that asked for it (DESIGN.md "End-to-end receipt").
+"""Client-side checks of an answer against the request that asked for it (docs/PROTOCOL.md "End-to-end receipt").
 
 Pure functions, so each rule is testable without a server.
 """
@@ -20,13 +20,14 @@ def check_index(expected: int, index: int) -> None:
 
 
 def check_receipt(receipt: Receipt, prompt: bytes, token_ids: Sequence[int], request_id: str = "") -> None:
-    """Raise ReceiptMismatch unless `receipt` vouches for this prompt, these tokens and (when given) this request id."""
-    if request_id and receipt.request_id != request_id:
-        raise ReceiptMismatch(f"receipt is for request {receipt.request_id!r}, but this client sent {request_id!r}")
+    """Raise ReceiptMismatch unless `receipt` vouches for this prompt, these tokens and this request id (the
+    caller's label, echoed as sent: "" when it sent none)."""
     expected = prompt_digest(prompt)
     if receipt.prompt_digest != expected:
         raise ReceiptMismatch(f"receipt's prompt digest {receipt.prompt_digest:016x} differs from {expected:016x}, "
                               f"the digest of the prompt this client sent: the answer is for another prompt")
+    if receipt.request_id != request_id:
+        raise ReceiptMismatch(f"receipt is for request {receipt.request_id!r}, but this client sent {request_id!r}")
     if receipt.output_tokens != len(token_ids):
         raise ReceiptMismatch(f"receipt counts {receipt.output_tokens} output tokens, "
                               f"but {len(token_ids)} were received")

@@ -10,7 +10,8 @@ import grpc
 from tether.client.errors import from_rpc_error
 from tether.client.wire import (StreamAssembler, encode_prompt, generate_request, result_from_response, tag_request,
                                 tags_dict)
-from tether.grpcutil import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS
+from tether.grpcutil import KEEPALIVE_OPTIONS, message_options
+from tether import settings
 from tether.types import Delta, GenerateResult
 from tether.v1 import admission_pb2_grpc
 
@@ -37,6 +38,11 @@ class Stream:
     def seed(self) -> int:
         return self._assembler.seed
 
+    @property
+    def internal_id(self) -> str:
+        """The id admission minted for this request (set with the first token; "" before)."""
+        return self._assembler.internal_id
+
     def __iter__(self) -> Iterator[Delta]:
         try:
             for chunk in self._call:
@@ -60,7 +66,7 @@ class Client:
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=MESSAGE_OPTIONS + KEEPALIVE_OPTIONS)
+        self._channel = grpc.insecure_channel(target, options=message_options(settings.GRPC_MAX_MESSAGE_BYTES) + KEEPALIVE_OPTIONS)
         self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
 
     def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

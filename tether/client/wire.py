@@ -61,6 +61,7 @@ class StreamAssembler:
         self._token_ids: list[int] = []
         self.tags: dict[str, Any] = {}
         self.seed = 0
+        self.internal_id = ""          # from the first chunk: the id admission minted for this request
         self.result: GenerateResult | None = None
 
     def add(self, chunk: admission_pb2.GenerateChunk) -> Delta:
@@ -70,6 +71,7 @@ class StreamAssembler:
         if chunk.HasField("tags"):
             self.tags = tags_dict(chunk.tags)
             self.seed = chunk.seed
+            self.internal_id = chunk.internal_id
         self._text.append(chunk.text)
         self._token_ids.append(chunk.token_id)
         finish = FINISH_REASONS[chunk.finish_reason]

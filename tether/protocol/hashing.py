@@ -1,4 +1,4 @@
-"""The context hash chain (DESIGN.md "Context hash").
+"""The context hash chain (docs/PROTOCOL.md "Context hash chain").
 
 xxh3-64 over the little-endian uint32 token ids of the whole context, seeded from the model fingerprint and
 the request's cache namespace. Streaming makes it independent of chunking, so each party extends a running
@@ -60,6 +60,18 @@ class ContextHasher:
         c = ContextHasher.__new__(ContextHasher)
         c.seed, c._h, c.length = self.seed, self._h.copy(), self.length
         return c
+
+
+def sampling_digest(sampling) -> int:
+    """Digest of a SamplingParams message (deterministic serialization): what the stamp and token hash bind."""
+    return xxhash.xxh3_64_intdigest(sampling.SerializeToString(deterministic=True))
+
+
+def token_hash(context_after_token: int, request_id: str, sampling: int) -> int:
+    """What the last stage returns with a sampled token: its chain extended by the token, bound to the request's
+    internal id and the digest of the sampling parameters it sampled with. Two requests with the same prompt
+    and tenant (n samples with different seeds) have the same chain; this hash still tells them apart."""
+    return xxhash.xxh3_64_intdigest(request_id.encode(), seed=context_after_token ^ sampling)
 
 
 def prompt_digest(prompt: bytes) -> int:

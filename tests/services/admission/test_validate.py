@@ -53,9 +53,10 @@ def test_validation_does_not_modify_the_request():
     assert req.sampling.max_tokens == 0 and req.sampling.seed == 0
 
 
-def test_missing_request_id_gets_a_fresh_one():
-    a, b = validate(request(), MODEL), validate(request(), MODEL)
-    assert a.request_id and b.request_id and a.request_id != b.request_id
+def test_request_id_is_a_label_kept_as_sent():
+    """Admission mints the internal id itself (server.py); the caller's id is only a label, "" when none."""
+    assert validate(request(), MODEL).request_id == ""
+    assert validate(request(request_id="mine"), MODEL).request_id == "mine"
 
 
 def test_empty_priority_means_standard():

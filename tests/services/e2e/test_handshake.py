@@ -44,7 +44,7 @@ def _refusal(c: LocalCluster, timeout: float = 120.0) -> str:
                     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
                     with pytest.raises(grpc.RpcError) as info:
                         list(stub.Submit(coordinator_pb2.SubmitRequest(
-                            prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
+                            request_id="probe", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
                     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
                     assert stats.status in info.value.details()
                     return stats.status

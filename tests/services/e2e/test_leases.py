@@ -17,25 +17,30 @@ def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
                            extra={"stage": ["--lease", str(lease)]}).start(timeout=180)
     try:
         rid = "lease-test-1"
+        internal: list[str] = []
         first = threading.Event()
         error: list[BaseException] = []
 
         def run() -> None:
             with Client(cluster.target, timeout=60) as client:
                 try:
-                    for _ in client.stream("keep going", max_tokens=2000, ignore_eos=True, request_id=rid):
-                        first.set()
+                    stream = client.stream("keep going", max_tokens=2000, ignore_eos=True, request_id=rid)
+                    for _ in stream:
+                        if not first.is_set():
+                            internal.append(stream.internal_id)
+                            first.set()
                 except TetherError as e:
                     error.append(e)
 
         t = threading.Thread(target=run)
         t.start()
         assert first.wait(60)
-        assert all(held(cluster, rid))
+        (iid,) = internal
+        assert all(held(cluster, iid))
         cluster.kill("coordinator")                      # no Release will ever come
         t.join(timeout=60)
         assert not t.is_alive() and error and error[0].code == grpc.StatusCode.UNAVAILABLE
-        wait_released(cluster, rid, timeout=lease + 15)   # no Release came: the lease freed it
+        wait_released(cluster, iid, timeout=lease + 15)   # no Release came: the lease freed it
 
         cluster.restart("coordinator")                   # a new coordinator: new handshake, serves again
         cluster.wait_ready(120)

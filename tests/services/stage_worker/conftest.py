@@ -24,7 +24,7 @@ from tether.cli.cluster import free_port
 from tether.model.config import ModelConfig
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.protocol import tensors
-from tether.protocol.hashing import context_hash, hash_seed
+from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
 from tether.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -50,7 +50,8 @@ class Req:
         end = len(self.ids) if upto is None else upto
         stamp = stage_pb2.Stamp(request_id=self.rid, epoch=self.epoch, position=self.fed,
                                 token_ids=self.ids[self.fed:end], parent_hash=context_hash(SEED, self.ids[:self.fed]),
-                                context_hash=context_hash(SEED, self.ids[:end]))
+                                context_hash=context_hash(SEED, self.ids[:end]),
+                                sampling_digest=sampling_digest(self.params))
         return stage_pb2.Slot(stamp=stamp, sampling=self.params, sample=sample, hash_seed=SEED)
 
     def accept(self, token: int) -> None:

@@ -11,7 +11,7 @@ from services.stage_worker.worker import StageWorker, frame_digest
 from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
-from tether.protocol.hashing import context_hash, hash_seed
+from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
 from tether.v1 import common_pb2, stage_pb2
 
 R = stage_pb2.RejectReason
@@ -74,7 +74,8 @@ class Req:
         stamp = stage_pb2.Stamp(request_id=self.rid, epoch=self.epoch, position=self.fed,
                                 token_ids=self.ids[self.fed:end],
                                 parent_hash=context_hash(self.seed, self.ids[:self.fed]),
-                                context_hash=context_hash(self.seed, self.ids[:end]))
+                                context_hash=context_hash(self.seed, self.ids[:end]),
+                                sampling_digest=sampling_digest(self.params))
         return stage_pb2.Slot(stamp=stamp, sampling=self.params, sample=sample, hash_seed=self.seed)
 
 
@@ -104,7 +105,8 @@ def step(pipe: Pipe, reqs: list[Req]) -> dict[str, int]:
         assert res.ok, (R.Name(res.reason), res.detail)
         assert res.has_token and res.stage_index == 1
         assert res.stamp == stage_pb2.Stamp(request_id=r.rid, epoch=r.epoch, position=s.stamp.position,
-                                            parent_hash=s.stamp.parent_hash, context_hash=s.stamp.context_hash)
+                                            parent_hash=s.stamp.parent_hash, context_hash=s.stamp.context_hash,
+                                            sampling_digest=sampling_digest(r.params))
         r.fed = len(r.ids)
         r.ids.append(res.token_id)
         tokens[r.rid] = res.token_id

@@ -29,17 +29,23 @@ def receipt(**overrides) -> Receipt:
 
 def test_matching_receipt_passes():
     check_receipt(receipt(), PROMPT, [1, 2, 3], request_id="r-1")
-    check_receipt(receipt(), PROMPT, [1, 2, 3])   # no id sent: the server's id is not checked
+    check_receipt(receipt(request_id=""), PROMPT, [1, 2, 3])   # no label sent: the receipt echoes none
 
 
 def test_prompt_digest_mismatch():
     with pytest.raises(ReceiptMismatch, match="prompt digest"):
-        check_receipt(receipt(), PROMPT + b" ", [1, 2, 3])
+        check_receipt(receipt(), PROMPT + b" ", [1, 2, 3], request_id="r-1")
 
 
 def test_output_token_count_mismatch():
     with pytest.raises(ReceiptMismatch, match="3 output tokens, but 2 were received"):
-        check_receipt(receipt(), PROMPT, [1, 2])
+        check_receipt(receipt(), PROMPT, [1, 2], request_id="r-1")
+
+
+def test_a_label_this_client_did_not_send_is_a_mismatch():
+    """The receipt echoes the caller's label as sent: an answer labelled for someone else is not ours."""
+    with pytest.raises(ReceiptMismatch, match="'r-1'"):
+        check_receipt(receipt(), PROMPT, [1, 2, 3])
 
 
 def test_request_id_mismatch():
@@ -79,12 +85,12 @@ def test_response_without_receipt():
     r = response()
     r.ClearField("receipt")
     with pytest.raises(ReceiptMismatch, match="no receipt"):
-        result_from_response(r, PROMPT, "")
+        result_from_response(r, PROMPT, "r-1")
 
 
 def test_response_with_foreign_prompt_digest():
     with pytest.raises(ReceiptMismatch, match="another prompt"):
-        result_from_response(response(prompt_digest=prompt_digest(b"someone else's prompt")), PROMPT, "")
+        result_from_response(response(prompt_digest=prompt_digest(b"someone else's prompt")), PROMPT, "r-1")
 
 
 # ---- streams --------------------------------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def test_stream_assembles_a_checked_result():
 
 
 def test_stream_with_skipped_index_fails_before_handing_out_the_token():
-    a = StreamAssembler(PROMPT, "")
+    a = StreamAssembler(PROMPT, "r-1")
     c = chunks()
     a.add(c[0])
     with pytest.raises(ReceiptMismatch, match="index 2 arrived where 1"):
@@ -117,7 +123,7 @@ def test_stream_with_skipped_index_fails_before_handing_out_the_token():
 
 
 def test_stream_whose_final_receipt_fails_raises_on_the_final_chunk():
-    a = StreamAssembler(PROMPT, "")
+    a = StreamAssembler(PROMPT, "r-1")
     c = chunks(output_tokens=5)
     a.add(c[0])
     a.add(c[1])
@@ -126,14 +132,14 @@ def test_stream_whose_final_receipt_fails_raises_on_the_final_chunk():
 
 
 def test_stream_cut_short_has_no_result():
-    a = StreamAssembler(PROMPT, "")
+    a = StreamAssembler(PROMPT, "r-1")
     a.add(chunks()[0])
     with pytest.raises(ReceiptMismatch, match="ended after 1 tokens without a final chunk"):
         a.finish()
 
 
 def test_chunk_after_the_final_one():
-    a = StreamAssembler(PROMPT, "")
+    a = StreamAssembler(PROMPT, "r-1")
     c = chunks(1)
     a.add(c[0])
     with pytest.raises(ReceiptMismatch, match="after the final one"):
