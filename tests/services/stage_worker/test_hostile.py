@@ -346,3 +346,30 @@ def test_a_downstream_idle_close_is_not_a_failure(start_stage, kit):
     assert list(stream.ask(stream.frame([])).results) == []              # a heartbeat: answered, not forwarded
     assert stream.end() == grpc.StatusCode.OK
     assert last.stats().rejections.get("BAD_SEQUENCE", 0) == 0
+
+
+def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_stage, kit):
+    """The stage enforces its own limits whatever the coordinator sends; the handshake says what they are."""
+    s = start_stage("--max-frame-rows", "8", "--max-frame-slots", "2", "--max-streams-per-peer", "1")
+    s.handshake()
+    assert (s.info.max_frame_rows, s.info.max_frame_slots, s.info.max_streams_per_peer) == (8, 2, 1)
+    st = s.stream()
+    a, b, c = (kit.Req(f"lim-{i}", [5, 6, 7]) for i in range(3))
+    reply = st.ask(st.frame([a.slot(), b.slot(), c.slot()]))            # 3 slots > 2
+    assert [r.reason for r in reply.results] == [R.BAD_FRAME] * 3
+    assert all("at most 2 slots" in r.detail and "advertised" in r.detail for r in reply.results)
+    long = kit.Req("lim-long", list(range(10, 19)))                       # 9 rows > 8
+    (res,) = st.ask(st.frame([long.slot()])).results
+    assert res.reason == R.BAD_FRAME and "8 rows" in res.detail
+    assert all(not held for _, held, *_ in s.held("lim-0", "lim-1", "lim-2", "lim-long"))   # nothing ran
+    ok = st.ask(st.frame([a.slot(), b.slot()])).results                  # within the limits: served
+    assert all(r.ok for r in ok)
+    refusals = s.stats().refusals
+    assert refusals["FRAME_SLOTS"] == 1 and refusals["FRAME_ROWS"] == 1
+    second = s.stream()                                                   # same peer, limit 1
+    with pytest.raises(grpc.RpcError) as e:
+        second.recv()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per peer" in e.value.details()
+    second.cancel()
+    assert st.end() == grpc.StatusCode.OK
+    assert s.stats().refusals["STREAMS_PER_PEER"] == 1
