@@ -23,6 +23,7 @@ MAX_CONCURRENT_REQUESTS = 256  # admission's global cap; beyond it: RESOURCE_EXH
 MAX_TEMPERATURE = 2.0
 MAX_TENANT_CHARS = 64          # tenant names are cache namespaces and metric labels: keep them short
 MAX_REQUEST_ID_CHARS = 128
+MAX_MESSAGES = 256             # messages in one conversation; their contents share MAX_PROMPT_BYTES
 OVERLOAD_RETRY_AFTER_S = 1.0   # RetryInfo delay admission suggests when it refuses for overload
 READINESS_POLL_S = 1.0         # how often admission asks its coordinator whether it is serving
 # A request whose client set no deadline gets this one (admission, and the coordinator for its own peers):
