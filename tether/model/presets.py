@@ -15,11 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 from tether import settings
+from tether.model.chat_template import CHATML_TEMPLATE
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, write_byte_tokenizer
 
 # Bump when the generator changes, so old folders are not mistaken for new ones.
-GENERATOR_VERSION = 2
+# 3: tokenizer_config.json carries a ChatML chat_template (conversations).
+GENERATOR_VERSION = 3
 
 _COMMON = dict(vocab_size=BYTE_VOCAB_SIZE, rms_norm_eps=1e-5, rope_theta=10000.0,
                max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
@@ -83,6 +85,9 @@ def ensure_preset(name: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True))
         save_file(generate_weights(cfg, PRESET_SEED), str(tmp / "model.safetensors"))
         write_byte_tokenizer(tmp)
+        # A chat template, so presets take conversations like a real instruct model (tether/model/chat_template.py).
+        tcfg_path = tmp / "tokenizer_config.json"
+        tcfg_path.write_text(json.dumps({**json.loads(tcfg_path.read_text()), "chat_template": CHATML_TEMPLATE}))
         try:
             os.rename(tmp, dest)
         except OSError:
