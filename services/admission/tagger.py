@@ -51,12 +51,14 @@ import hashlib
 import math
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 __all__ = [
     "Tags",
     "tag",
+    "tag_conversation",
     "BUDGET_RULES",
     "MAX_LENGTH_LIMIT",
     "PRIORITIES",
@@ -713,6 +715,38 @@ def normalize_priority(priority: str) -> str:
 # --------------------------------------------------------------------------
 
 
+def _check_sizes(input_tokens: int, max_tokens: int, tokens_per_char: float, priority: str) -> str:
+    if input_tokens < 0:
+        raise ValueError(f"input_tokens must be >= 0; got {input_tokens}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1; got {max_tokens}")
+    if not (tokens_per_char > 0 and math.isfinite(tokens_per_char)):
+        raise ValueError(f"tokens_per_char must be finite and > 0; got {tokens_per_char}")
+    return normalize_priority(priority)
+
+
+def _tags(content: str, budget_text: str, turns: int, system_text: str, input_tokens: int, max_tokens: int,
+          tenant: str, priority: str, tokens_per_char: float) -> Tags:
+    """Tags from the content to classify, the text whose length constraint caps this answer, and the structure."""
+    limit, unit = parse_length_constraint(budget_text, tokens_per_char)
+    budget = compute_output_budget(max_tokens, limit, unit, tokens_per_char)
+    return Tags(
+        input_tokens=input_tokens,
+        language=detect_language(content),
+        length_limit=limit,
+        length_unit=unit,
+        output_budget=budget,
+        task=detect_task(content, turns),
+        size_class=classify_size(budget),
+        domain=detect_domain(content),
+        audience=detect_audience(content),
+        priority=priority,
+        tenant=tenant,
+        turns=turns,
+        prefix_key=compute_prefix_key(system_text),
+    )
+
+
 def tag(
     prompt: str,
     input_tokens: int,
@@ -727,30 +761,35 @@ def tag(
     Raises ValueError on a bad priority or nonsensical sizes, and nothing else:
     no prompt text makes it raise.
     """
-    if input_tokens < 0:
-        raise ValueError(f"input_tokens must be >= 0; got {input_tokens}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1; got {max_tokens}")
-    if not (tokens_per_char > 0 and math.isfinite(tokens_per_char)):
-        raise ValueError(f"tokens_per_char must be finite and > 0; got {tokens_per_char}")
-    checked_priority = normalize_priority(priority)
-
+    checked_priority = _check_sizes(input_tokens, max_tokens, tokens_per_char, priority)
     content = strip_role_markers(prompt)
-    turns = count_turns(prompt)
-    limit, unit = parse_length_constraint(content, tokens_per_char)
-    budget = compute_output_budget(max_tokens, limit, unit, tokens_per_char)
-    return Tags(
-        input_tokens=input_tokens,
-        language=detect_language(content),
-        length_limit=limit,
-        length_unit=unit,
-        output_budget=budget,
-        task=detect_task(content, turns),
-        size_class=classify_size(budget),
-        domain=detect_domain(content),
-        audience=detect_audience(content),
-        priority=checked_priority,
-        tenant=tenant,
-        turns=turns,
-        prefix_key=compute_prefix_key(extract_system_prompt(prompt)),
-    )
+    return _tags(content, content, count_turns(prompt), extract_system_prompt(prompt), input_tokens, max_tokens,
+                 tenant, checked_priority, tokens_per_char)
+
+
+def tag_conversation(
+    messages: Sequence[tuple[str, str]],
+    input_tokens: int,
+    max_tokens: int,
+    *,
+    tenant: str = "",
+    priority: str = "",
+    tokens_per_char: float = 1.0,
+) -> Tags:
+    """Tag a conversation of (role, content) pairs; linear time in its contents.
+
+    Its structure is given, not guessed from text: turns are the user messages, the system message (the
+    first, if any) is the shared prefix (prefix_key), and more than one turn is the "chat" task. Language,
+    task, domain and audience come from the system and user contents (the assistant's are the model's own
+    words); the length constraint from the system message and the last user message, the ones this answer
+    is asked under (an earlier "in 20 words" was for an earlier answer).
+
+    Raises ValueError on a bad priority or nonsensical sizes, and nothing else.
+    """
+    checked_priority = _check_sizes(input_tokens, max_tokens, tokens_per_char, priority)
+    system = messages[0][1].strip() if messages and messages[0][0] == "system" else ""
+    users = [content for role, content in messages if role == "user"]
+    content = "\n\n".join(c for role, c in messages if role != "assistant")
+    budget_text = "\n\n".join(t for t in (system, users[-1] if users else "") if t)
+    return _tags(content, budget_text, max(1, len(users)), system, input_tokens, max_tokens, tenant,
+                 checked_priority, tokens_per_char)
