@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
+from tether.model import smollm2
 from tether.model.presets import PRESETS, ensure_preset
 from tether.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -18,12 +19,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(model: str) -> Path:
-    """A preset name ('tiny', 'small', 'base') or a path to a Hugging Face folder -> the folder."""
+    """'smollm2' (the real default model), a random preset ('tiny', 'small', 'base': tests and kernel
+    benchmarks) or a path to a Hugging Face folder -> the folder."""
+    if model == smollm2.NAME:
+        return smollm2.ensure()
     if model in PRESETS:
         return ensure_preset(model)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+        raise FileNotFoundError(f"model {model!r} is neither {smollm2.NAME}, a preset ({', '.join(PRESETS)}) "
                                 f"nor a folder with config.json")
     return path
 
