@@ -10,6 +10,7 @@ from services.admission.validate import ModelLimits
 from tether import settings, supervise
 from tether.procutil import follow_parent
 from tether.grpcutil import Server, channel, configure_logging
+from tether.model.chat_template import load_chat_template
 from tether.model.config import ModelConfig
 from tether.model.loader import load_model_tokenizer, model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
@@ -48,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model_limits(model: str) -> tuple[ModelLimits, str]:
-    """The tokenizer and limits of `model`, and its fingerprint (which the coordinator must report too)."""
+    """The tokenizer, limits and chat template of `model`, and its fingerprint (which the coordinator must report
+    too). A template that does not compile stops admission here, not on the first conversation."""
     folder = resolve_model(model)
     cfg = ModelConfig.from_folder(folder)
-    limits = ModelLimits(load_model_tokenizer(folder), cfg.max_position_embeddings, cfg.vocab_size)
+    limits = ModelLimits(load_model_tokenizer(folder), cfg.max_position_embeddings, cfg.vocab_size,
+                         load_chat_template(folder))
     return limits, model_fingerprint(folder)
 
 

@@ -21,11 +21,11 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from services.admission.tagger import Tags, classify_size, tag
+from services.admission.tagger import Tags, classify_size, tag, tag_conversation
 from services.admission.validate import ModelLimits, ValidRequest, validate
 from tether import settings
 from tether.grpcutil import Server
-from tether.protocol.hashing import prompt_digest
+from tether.protocol.hashing import messages_digest, prompt_digest
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def Tag(self, request: admission_pb2.TagRequest,
                   context: grpc.aio.ServicerContext) -> admission_pb2.TagResponse:
         as_generate = admission_pb2.GenerateRequest(prompt=request.prompt, sampling=request.sampling,
-                                                    tenant=request.tenant, priority=request.priority)
+                                                    tenant=request.tenant, priority=request.priority,
+                                                    messages=request.messages)
         await self._acquire(context)   # the same CPU work as a request: the same cap
         try:
                 a = await self._admit(as_generate, context, take_label=False)
@@ -161,13 +162,18 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
 
     def _validate_and_tag(self, request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
-        """On a tag-pool thread: tokenize, validate and tag (linear in the prompt, which is capped in bytes)."""
+        """On a tag-pool thread: render a conversation, tokenize, validate and tag (linear in the prompt or the
+        messages, both capped in bytes; the template is the operator's, rendered in a sandbox)."""
         valid = validate(request, self.model)
         # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
         tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
         try:
-            tags = tag(valid.prompt, len(valid.prompt_token_ids), valid.sampling.max_tokens,
-                       tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
+            sizes = (len(valid.prompt_token_ids), valid.sampling.max_tokens)
+            labels = dict(tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
+            if valid.messages:   # its structure is given by the messages: tag that, not the rendered text
+                tags = tag_conversation(valid.messages, *sizes, **labels)
+            else:
+                tags = tag(valid.prompt, *sizes, **labels)
         except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
             log.exception("tagger failed; serving the request with empty tags")
             tags = untagged(valid)
@@ -242,7 +248,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                     yield event, None
                     continue
                 yield event, common_pb2.Receipt(
-                    request_id=valid.request_id, prompt_digest=prompt_digest(request.prompt),
+                    request_id=valid.request_id, prompt_digest=request_digest(request),
                     prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
                     output_tokens=count, model_fingerprint=self.model_fingerprint, internal_id=rid)
                 return
@@ -260,6 +266,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             call.cancel()
         log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
+
+
+def request_digest(request: admission_pb2.GenerateRequest) -> int:
+    """The receipt's prompt_digest: of the prompt bytes, or of the conversation as received (docs/PROTOCOL.md)."""
+    if request.messages:
+        return messages_digest((m.role, m.content) for m in request.messages)
+    return prompt_digest(request.prompt)
 
 
 def untagged(valid: ValidRequest) -> Tags:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from services.admission.tagger import normalize_priority
 from tether import settings
+from tether.model.chat_template import ChatTemplate, ConversationError, render_conversation
 from tether.v1 import admission_pb2, common_pb2
 
 _TENANT = re.compile(r"[A-Za-z0-9_.-]*")
@@ -35,28 +36,43 @@ class ModelLimits:
     tokenizer: Encoder
     max_context: int   # max_position_embeddings: prompt + output must fit
     vocab_size: int    # upper bound of top_k
+    chat_template: ChatTemplate | None = None   # None: the model takes raw prompts only
 
 
 @dataclass(frozen=True)
 class ValidRequest:
-    prompt: str                              # the decoded prompt (raw bytes stay in the request for the receipt)
+    prompt: str                              # the decoded prompt, or the conversation rendered with the chat template
     prompt_token_ids: list[int]
     sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and (when sampling) seed filled in
     tenant: str
     priority: str                            # critical | standard | sheddable
     request_id: str                          # the caller's label ("" when none): never a key downstream
+    messages: tuple[tuple[str, str], ...] = ()   # the decoded conversation, () for a raw prompt
 
 
 def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
     """Check every field of `request` against the settings and `model`; raise ValidationError on the first bad one."""
-    prompt = _decode_prompt(request.prompt)
+    if request.messages:
+        if request.prompt:
+            raise ValidationError("send either prompt or messages, not both")
+        messages = _decode_messages(request.messages)
+        try:
+            prompt = render_conversation(model.chat_template, messages)
+        except ConversationError as e:
+            raise ValidationError(str(e)) from None
+        if not prompt.strip():
+            raise ValidationError("the model's chat template rendered the conversation to empty text")
+    else:
+        messages = ()
+        prompt = _decode_prompt(request.prompt)
     tenant = _check_tenant(request.tenant)
     priority = _check_priority(request.priority)
     request_id = _check_request_id(request.request_id)
     sampling = _normalize_sampling(request.sampling, model.vocab_size)
     token_ids = model.tokenizer.encode(prompt)
-    _check_lengths(len(token_ids), sampling.max_tokens, model.max_context)
-    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id)
+    _check_lengths(len(token_ids), sampling.max_tokens, model.max_context,
+                   "conversation (rendered with the chat template)" if messages else "prompt")
+    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id, messages)
 
 
 def _decode_prompt(raw: bytes) -> str:
@@ -69,8 +85,28 @@ def _decode_prompt(raw: bytes) -> str:
         message = f"prompt is not valid UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start})"
         raise ValidationError(message) from None
     if not text.strip():
-        raise ValidationError("prompt is empty; send at least one non-whitespace character")
+        raise ValidationError("prompt is empty; send at least one non-whitespace character, "
+                              "or a conversation in messages")
     return text
+
+
+def _decode_messages(messages) -> tuple[tuple[str, str], ...]:
+    """(role, content) pairs with the contents decoded; sizes first, as for a prompt. Roles, order and empty
+    contents are the chat template module's rules (shared with tether.reference)."""
+    if len(messages) > settings.MAX_MESSAGES:
+        raise ValidationError(f"messages holds {len(messages)} messages; at most {settings.MAX_MESSAGES} are allowed")
+    total = sum(len(m.content) for m in messages)
+    if total > settings.MAX_PROMPT_BYTES:
+        raise ValidationError(f"the messages' contents are {total} bytes in all; at most {settings.MAX_PROMPT_BYTES} "
+                              f"bytes are allowed (a conversation is never truncated: drop or shorten messages)")
+    out = []
+    for i, m in enumerate(messages):
+        try:
+            out.append((m.role, m.content.decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise ValidationError(f"messages[{i}].content is not valid UTF-8 "
+                                  f"(invalid byte 0x{m.content[e.start]:02x} at offset {e.start})") from None
+    return tuple(out)
 
 
 def _check_tenant(tenant: str) -> str:
@@ -127,14 +163,17 @@ def _check_stop(stop: list[str]) -> None:
             raise ValidationError(f"stop[{i}] must be 1 to {settings.MAX_STOP_BYTES} bytes of UTF-8; got {size} bytes")
 
 
-def _check_lengths(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+def _check_lengths(prompt_tokens: int, max_tokens: int, max_context: int, what: str = "prompt") -> None:
+    # A conversation over a limit is refused, never cut to fit: silently dropping earlier turns gives answers
+    # that miss the question, so the caller decides what to drop.
+    shorten = "drop or shorten earlier messages" if what != "prompt" else "shorten the prompt"
     if prompt_tokens == 0:
-        raise ValidationError("prompt tokenizes to no tokens; send some text")
+        raise ValidationError(f"{what} tokenizes to no tokens; send some text")
     if prompt_tokens > settings.MAX_PROMPT_TOKENS:
-        raise ValidationError(f"prompt is {prompt_tokens} tokens; "
-                              f"at most {settings.MAX_PROMPT_TOKENS} tokens are allowed")
+        raise ValidationError(f"{what} is {prompt_tokens} tokens; at most {settings.MAX_PROMPT_TOKENS} tokens are "
+                              f"allowed" + ("" if what == "prompt" else f"; {shorten}"))
     if prompt_tokens + max_tokens > max_context:
         room = max_context - prompt_tokens
-        hint = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
-        raise ValidationError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+        hint = f"lower max_tokens to at most {room}" if room > 0 else shorten
+        raise ValidationError(f"{what} ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                               f"context of {max_context} tokens; {hint}")

@@ -79,6 +79,27 @@ def prompt_digest(prompt: bytes) -> int:
     return xxhash.xxh3_64_intdigest(prompt)
 
 
+_MESSAGES_DOMAIN = b"tether/v1/messages\0"
+
+
+def messages_digest(messages) -> int:
+    """Receipt digest of a conversation as admission received it: (role, content bytes) pairs, in order.
+
+    xxh3-64 of a domain prefix, then per message the role's and the content's UTF-8 bytes, each after its
+    length as a little-endian uint32: no two conversations serialize alike, and the prefix keeps a
+    conversation's digest apart from that of a raw prompt holding the same text.
+    """
+    h = xxhash.xxh3_64()
+    h.update(_MESSAGES_DOMAIN)
+    for role, content in messages:
+        role_bytes = role.encode("utf-8", "surrogatepass")
+        h.update(struct.pack("<I", len(role_bytes)))
+        h.update(role_bytes)
+        h.update(struct.pack("<I", len(content)))
+        h.update(content)
+    return h.intdigest()
+
+
 def payload_digest(data: bytes, slot_context_hashes) -> int:
     """Bind a frame's tensor bytes to the slots that claim them: seed from all slot context hashes, in order."""
     hashes = list(slot_context_hashes)

@@ -132,3 +132,16 @@ def test_payload_digest_seed_is_the_little_endian_hash_list():
     data = b"activations"
     seed = xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
     assert payload_digest(data, hashes) == xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+def test_messages_digest_is_the_length_prefixed_serialization():
+    """docs/PROTOCOL.md "End-to-end receipt", spelled out so another client can reproduce it."""
+    from tether.protocol.hashing import messages_digest
+    msgs = [("system", "Be brief.".encode()), ("user", "你好".encode()), ("assistant", b"")]
+    wire = b"tether/v1/messages\0" + b"".join(
+        len(r.encode()).to_bytes(4, "little") + r.encode() + len(c).to_bytes(4, "little") + c for r, c in msgs)
+    assert messages_digest(msgs) == xxhash.xxh3_64_intdigest(wire)
+    # Boundaries count: moving bytes between role and content, or between messages, changes the digest.
+    assert messages_digest([("user", b"ab")]) != messages_digest([("usera", b"b")])
+    assert messages_digest([("user", b"a"), ("user", b"b")]) != messages_digest([("user", b"ab")])
+    assert messages_digest([("user", b"hi")]) != prompt_digest(b"hi")
