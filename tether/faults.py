@@ -25,6 +25,16 @@ Every decision comes from a ``random.Random`` per kind, seeded from ``seed`` and
 kind's decisions are reproducible and independent of the other kinds' rates. Every fault applied is counted
 exactly once in ``counts``; a drawn fault that cannot apply (``swap_slots`` on a one-slot frame) is not.
 The caller's messages are never mutated: a faulted frame or reply is a copy.
+
+Each injected fault is also written to the ``tether.faults`` log with the slots it hit, as
+``request_id@epoch:position`` (``fault 7 corrupt at outbound: r1@1:12 r2@3:0``), and for the kinds in
+``FOLLOWED`` the injector then watches what the coordinator did about it: the next frame (or reply) of that
+request through the same hook says whether the faulted slot was **caught** (a newer epoch: rebuilt; or the same
+epoch and position again: resent after a sync) or **SLIPPED** through (the same epoch at a later position: the
+coordinator confirmed the faulted frame and appended its token). See `FaultLedger`. A reorder whose held frame
+went out in order after all (its successor was dropped, or it was flushed late) did no harm and is logged so.
+`duplicate` is logged but not followed: its copy is refused by the next hop's sequence check while the
+original goes through, so the request rightly carries on.
 """
 
 from __future__ import annotations
@@ -41,10 +51,14 @@ from dataclasses import dataclass, field
 from tether import settings
 from tether.v1 import stage_pb2
 
+log = logging.getLogger("tether.faults")
+
 KINDS = ("drop", "duplicate", "reorder", "delay", "corrupt", "swap_slots", "cross_ids", "forget_kv", "crash")
 PARAMS = ("seed", "delay_ms", "hold_ms")
 ENV = settings.FAULTS_ENV   # "TETHER_FAULTS"
 DEFAULT_DELAY_MS = 50.0
+# Kinds whose faulted slots the ledger follows to an outcome (caught or slipped); see FaultLedger.
+FOLLOWED = ("drop", "reorder", "corrupt", "swap_slots", "cross_ids", "forget_kv")
 
 
 def _spec_error(msg: str) -> ValueError:
@@ -127,14 +141,121 @@ class FaultConfig:
         return ",".join(items)
 
 
+
+Slot = tuple[str, int, int]    # (request_id, epoch, position) of a stamp
+
+
+def _slot(stamp: stage_pb2.Stamp) -> Slot:
+    return (stamp.request_id, stamp.epoch, stamp.position)
+
+
+def _fmt(slot: Slot) -> str:
+    return f"{slot[0]}@{slot[1]}:{slot[2]}"
+
+
+@dataclass
+class Fault:
+    """One injected fault: its number in this injector, its kind, the hook it was applied at and its slots."""
+
+    number: int
+    kind: str
+    hook: str                                                   # "arrival", "outbound" or "reply"
+    slots: tuple[Slot, ...]
+    outcomes: dict[Slot, str] = field(default_factory=dict)     # slot -> "caught" | "slipped"
+    harmless: bool = False                                      # a reorder that went out in order after all
+
+
+class FaultLedger:
+    """What each injected fault hit, and (for FOLLOWED kinds) whether the coordinator acted on it.
+
+    The coordinator keeps one frame in flight per request and, for each, either confirms it (appends the token,
+    or takes the prefill chunk as held) and sends the next position in the same epoch, or discards it: a
+    rebuild (next epoch, from position 0) or a resend of the same position after a sync. So the next frame of a
+    faulted request through the same hook tells which happened. `observe` is given every frame (reply) the hook
+    sees *before* any fault is drawn for it; a frame of an older epoch or position (a late or reordered copy) says
+    nothing and is skipped. At the reply hook a same-position result counts as a resend only if it is ok (a
+    stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp). A request that ends (finished, failed)
+    right after the fault leaves the slot open: the caller decides what that means from how the request ended.
+    Open slots are capped (oldest forgotten) so that an injector left on cannot grow without bound."""
+
+    MAX_OPEN = 4096
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.outcomes: dict[tuple[str, str], int] = {}          # (kind, "caught" | "slipped") -> slots
+        self._open: dict[tuple[str, str], list[tuple[Fault, Slot]]] = {}   # (hook, request_id) -> open slots
+        self._n_open = 0
+
+    def record(self, kind: str, hook: str, stamps) -> Fault:
+        self.recorded += 1
+        fault = Fault(self.recorded, kind, hook, tuple(_slot(s) for s in stamps))
+        log.info("fault %d %s at %s: %s", fault.number, kind, hook, " ".join(_fmt(x) for x in fault.slots))
+        if kind in FOLLOWED:
+            for slot in fault.slots:
+                self._open.setdefault((hook, slot[0]), []).append((fault, slot))
+                self._n_open += 1
+            while self._n_open > self.MAX_OPEN:
+                key = next(iter(self._open))
+                self._n_open -= len(self._open.pop(key))
+        return fault
+
+    def harmless(self, fault: Fault) -> None:
+        """A reorder whose held frame went out in order after all: nothing to catch."""
+        fault.harmless = True
+        for slot in fault.slots:
+            entries = self._open.get((fault.hook, slot[0]), [])
+            kept = [e for e in entries if e[0] is not fault]
+            self._n_open -= len(entries) - len(kept)
+            if kept:
+                self._open[(fault.hook, slot[0])] = kept
+            else:
+                self._open.pop((fault.hook, slot[0]), None)
+        log.info("fault %d %s: went out in order after all (harmless)", fault.number, fault.kind)
+
+    def observe(self, hook: str, stamps, ok=None) -> None:
+        """A frame's (reply's) stamps as the hook sees them, before any fault; `ok` per stamp at the reply hook."""
+        if not self._open:
+            return
+        for i, stamp in enumerate(stamps):
+            entries = self._open.get((hook, stamp.request_id))
+            if not entries:
+                continue
+            kept = []
+            for fault, slot in entries:
+                _, epoch, position = slot
+                if stamp.epoch > epoch or (stamp.epoch == epoch and stamp.position == position
+                                           and (ok is None or ok[i])):
+                    outcome = "caught"
+                elif stamp.epoch == epoch and stamp.position > position:
+                    outcome = "slipped"
+                else:
+                    kept.append((fault, slot))
+                    continue
+                fault.outcomes[slot] = outcome
+                key = (fault.kind, outcome)
+                self.outcomes[key] = self.outcomes.get(key, 0) + 1
+                self._n_open -= 1
+                log.log(logging.INFO if outcome == "caught" else logging.ERROR,
+                        "fault %d %s: %s %s (next seen %s)", fault.number, fault.kind, _fmt(slot),
+                        "caught" if outcome == "caught" else "SLIPPED THROUGH", _fmt(_slot(stamp)))
+            if kept:
+                self._open[(hook, stamp.request_id)] = kept
+            else:
+                del self._open[(hook, stamp.request_id)]
+
+    @property
+    def open_slots(self) -> list[tuple[Fault, Slot]]:
+        return [e for entries in self._open.values() for e in entries]
+
 @dataclass
 class HeldFrames:
     """Per-stream reorder buffer: the frame(s) held back to go out after the stream's next frame."""
 
     frames: list[stage_pb2.Frame] = field(default_factory=list)
+    fault: Fault | None = None        # the reorder fault that holds them
 
     def take(self) -> list[stage_pb2.Frame]:
-        out, self.frames = self.frames, []
+        out, self.frames, self.fault = self.frames, [], None
         return out
 
     def __bool__(self) -> bool:
@@ -153,6 +274,7 @@ class FaultInjector:
         self.config = config or FaultConfig()
         self.enabled = self.config.enabled
         self.counts: dict[str, int] = {k: 0 for k in KINDS}
+        self.ledger = FaultLedger()   # which slots each fault hit, and whether the coordinator caught it
         # One generator per kind: a kind's decisions do not shift when another kind's rate changes.
         self._rng = {k: random.Random(f"tether-faults|{self.config.seed}|{k}") for k in KINDS}
         self._held = HeldFrames()     # for callers with a single outbound stream
@@ -177,13 +299,18 @@ class FaultInjector:
 
         Only slots past position 0 qualify: they are the ones whose state the stage must already hold.
         """
+        if self.config.rate("forget_kv") <= 0:
+            return None
+        self.ledger.observe("arrival", [s.stamp for s in frame.slots])
         if not self._draw("forget_kv"):
             return None
-        rids = [s.stamp.request_id for s in frame.slots if s.stamp.position > 0 and s.stamp.request_id]
-        if not rids:
+        stamps = [s.stamp for s in frame.slots if s.stamp.position > 0 and s.stamp.request_id]
+        if not stamps:
             return None
         self._count("forget_kv")
-        return self._rng["forget_kv"].choice(rids)
+        stamp = self._rng["forget_kv"].choice(stamps)
+        self.ledger.record("forget_kv", "arrival", [stamp])
+        return stamp.request_id
 
     def delay_s(self) -> float:
         """Seconds to sleep before sending the next frame (0.0 when no delay is drawn)."""
@@ -202,36 +329,50 @@ class FaultInjector:
         held = self._held if held is None else held
         if not self.enabled:
             return [*held.take(), frame]
+        stamps = [s.stamp for s in frame.slots]
+        self.ledger.observe("outbound", stamps)
         if self._draw("drop"):
             self._count("drop")
+            self.ledger.record("drop", "outbound", stamps)
+            if held.fault is not None:
+                self.ledger.harmless(held.fault)   # the held frame now goes out in its own place
             return held.take()
         frame = self._mutate(frame)
         frames = [frame]
         if self._draw("duplicate"):
             self._count("duplicate")
+            self.ledger.record("duplicate", "outbound", stamps)
             frames.append(_copy(frame))
         if held:
             return frames + held.take()   # the earlier frame goes after this one: the reorder happens now
         if self._draw("reorder"):
             self._count("reorder")
             held.frames = frames
+            held.fault = self.ledger.record("reorder", "outbound", stamps)
             return []
         return frames
 
     def flush(self, held: HeldFrames | None = None) -> list[stage_pb2.Frame]:
         """The held frame(s), to send now that no successor came in time (they arrive late, not reordered)."""
-        return (self._held if held is None else held).take()
+        held = self._held if held is None else held
+        if held.fault is not None:
+            self.ledger.harmless(held.fault)
+        return held.take()
 
     def _mutate(self, frame: stage_pb2.Frame) -> stage_pb2.Frame:
         out = frame
         if self._draw("corrupt"):
             f = _copy(out)
-            if _corrupt_frame(f, self._rng["corrupt"]):
+            hit = _corrupt_frame(f, self._rng["corrupt"])
+            if hit is not None:
                 self._count("corrupt")
+                self.ledger.record("corrupt", "outbound",
+                                   [s.stamp for s in frame.slots] if hit < 0 else [frame.slots[hit].stamp])
                 out = f
         if self._draw("swap_slots") and len(out.slots) >= 2:
             out = _copy(out) if out is frame else out
             i, j = self._rng["swap_slots"].sample(range(len(out.slots)), 2)
+            self.ledger.record("swap_slots", "outbound", [out.slots[i].stamp, out.slots[j].stamp])
             a = stage_pb2.Stamp()
             a.CopyFrom(out.slots[i].stamp)
             out.slots[i].stamp.CopyFrom(out.slots[j].stamp)
@@ -241,6 +382,7 @@ class FaultInjector:
             out = _copy(out) if out is frame else out
             i, j = self._rng["cross_ids"].sample(range(len(out.slots)), 2)
             si, sj = out.slots[i].stamp, out.slots[j].stamp
+            self.ledger.record("cross_ids", "outbound", [si, sj])
             si.request_id, sj.request_id = sj.request_id, si.request_id
             self._count("cross_ids")
         return out
@@ -250,11 +392,13 @@ class FaultInjector:
         """Faults on a reply: two results swap request ids (cross_ids), one token id changes (corrupt)."""
         if not self.enabled:
             return reply
+        self.ledger.observe("reply", [r.stamp for r in reply.results], [r.ok for r in reply.results])
         out = reply
         if self._draw("cross_ids") and len(out.results) >= 2:
             out = _copy(out)
             i, j = self._rng["cross_ids"].sample(range(len(out.results)), 2)
             si, sj = out.results[i].stamp, out.results[j].stamp
+            self.ledger.record("cross_ids", "reply", [si, sj])
             si.request_id, sj.request_id = sj.request_id, si.request_id
             self._count("cross_ids")
         if self._draw("corrupt"):
@@ -263,6 +407,7 @@ class FaultInjector:
                 out = _copy(out) if out is reply else out
                 res = out.results[self._rng["corrupt"].choice(tokens)]
                 res.token_id ^= 1 << self._rng["corrupt"].randrange(4)   # stays in its 16-aligned vocab group
+                self.ledger.record("corrupt", "reply", [res.stamp])
                 self._count("corrupt")
         return out
 
@@ -273,19 +418,21 @@ def _copy(msg):
     return c
 
 
-def _corrupt_frame(f: stage_pb2.Frame, rng: random.Random) -> bool:
-    """Flip one byte of the activations, or (no activations) one token id of one stamp. False if neither."""
+def _corrupt_frame(f: stage_pb2.Frame, rng: random.Random) -> int | None:
+    """Flip one byte of the activations (-1: every slot is hit), or (no activations) one token id of one stamp
+    (that slot's index). None if neither applies."""
     if f.HasField("activations") and f.activations.data:
         data = bytearray(f.activations.data)
         data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
         f.activations.data = bytes(data)
-        return True
+        return -1
     slots = [i for i, s in enumerate(f.slots) if s.stamp.token_ids]
     if not slots:
-        return False
-    ids = f.slots[rng.choice(slots)].stamp.token_ids
+        return None
+    hit = rng.choice(slots)
+    ids = f.slots[hit].stamp.token_ids
     ids[rng.randrange(len(ids))] ^= 1 << rng.randrange(4)   # a different, still small token id
-    return True
+    return hit
 
 
 class OutboundFaults:
@@ -321,8 +468,8 @@ class OutboundFaults:
             pass
 
     async def drain(self) -> None:
-        """The stream ends: a frame still held goes out now."""
-        for f in self.held.take():
+        """The stream ends: a frame still held goes out now (in order: nothing came after it)."""
+        for f in self.injector.flush(self.held):
             await self.write(f)
 
     def close(self) -> None:

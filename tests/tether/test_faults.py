@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tether.faults import KINDS, FaultConfig, FaultInjector, HeldFrames
+from tether.faults import FOLLOWED, KINDS, FaultConfig, FaultInjector, FaultLedger, HeldFrames
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, payload_digest
 from tether.v1 import stage_pb2
@@ -338,3 +338,60 @@ def test_every_fault_counted_once():
     out = inj.outbound(make_frame(2, decode=True), held)
     assert [g.stream_seq for g in out] == [2, 2, 1, 1]
     assert injected(inj) == {"corrupt": 2, "swap_slots": 2, "cross_ids": 2, "duplicate": 2, "reorder": 1}
+
+
+# --- the ledger: which slots a fault hit, and whether the coordinator acted on it ----------------------------
+def st(rid: str, epoch: int, position: int) -> stage_pb2.Stamp:
+    return stage_pb2.Stamp(request_id=rid, epoch=epoch, position=position)
+
+
+def frame_of(*stamps: stage_pb2.Stamp, seq: int = 1) -> stage_pb2.Frame:
+    return stage_pb2.Frame(stream_seq=seq, slots=[stage_pb2.Slot(stamp=s) for s in stamps])
+
+
+def test_ledger_caught_by_a_rebuild_or_a_resend_slipped_by_a_later_position():
+    led = FaultLedger()
+    led.record("corrupt", "outbound", [st("a", 1, 5), st("b", 2, 9), st("c", 1, 3)])
+    led.observe("outbound", [st("a", 1, 4), st("b", 1, 30)])      # late copies of older frames: say nothing
+    assert len(led.open_slots) == 3
+    led.observe("reply", [st("a", 2, 0)])                          # another hook: says nothing
+    led.observe("outbound", [st("a", 2, 0), st("b", 2, 9), st("c", 1, 4)])  # rebuilt, resent, went on
+    assert led.outcomes == {("corrupt", "caught"): 2, ("corrupt", "slipped"): 1} and not led.open_slots
+
+
+def test_ledger_a_duplicate_is_logged_not_followed_and_a_stage_refusal_is_no_resend():
+    led = FaultLedger()
+    led.record("duplicate", "outbound", [st("a", 1, 5)])
+    assert led.recorded == 1 and not led.open_slots and "duplicate" not in FOLLOWED
+    led.record("cross_ids", "reply", [st("a", 1, 5), st("b", 1, 7)])
+    led.observe("reply", [st("a", 1, 5), st("b", 1, 7)], ok=[False, True])   # a's echo is a refusal
+    assert led.outcomes == {("cross_ids", "caught"): 1} and [s for _, s in led.open_slots] == [("a", 1, 5)]
+
+
+def test_the_injector_records_the_slots_each_fault_hit():
+    inj = only("forget_kv", seed=4)
+    decode = make_frame(decode=True)
+    rid = inj.forget(decode)
+    (fault, slot), = inj.ledger.open_slots
+    assert fault.kind == "forget_kv" and fault.hook == "arrival" and slot == (rid, 1, 2)
+    inj.forget(frame_of(st(rid, 1, 3)))          # the coordinator went on: the stage's loss was not noticed
+    assert inj.ledger.outcomes[("forget_kv", "slipped")] == 1
+
+    inj = only("corrupt", seed=9)
+    inj.outbound(make_frame(acts=True))          # activations: every slot of the frame is hit
+    assert {s for _, s in inj.ledger.open_slots} == {(f"req-{i}", 1, 0) for i in range(3)}
+    inj = only("corrupt", seed=9)
+    g = inj.outbound(make_frame(acts=False))[0]  # no activations: the one stamp whose token changed
+    (_, slot), = inj.ledger.open_slots
+    f = make_frame(acts=False)
+    assert [i for i in range(3) if g.slots[i].stamp.token_ids != f.slots[i].stamp.token_ids] == [int(slot[0][-1])]
+
+
+def test_a_reorder_that_goes_out_in_order_after_all_is_harmless():
+    inj = FaultInjector(FaultConfig(rates={"reorder": 1.0}))
+    held = HeldFrames()
+    inj.outbound(frame_of(st("a", 1, 0), seq=1), held)
+    assert inj.flush(held) and not inj.ledger.open_slots        # sent late, in order
+    inj.outbound(frame_of(st("a", 1, 1), seq=2), held)
+    out = inj.outbound(frame_of(st("b", 1, 0), seq=3), held)    # the reorder happens: a's frame stays followed
+    assert [g.stream_seq for g in out] == [3, 2] and [s for _, s in inj.ledger.open_slots] == [("a", 1, 1)]
