@@ -17,14 +17,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP) proto  ## virtualenv, packages and generated gRPC code
+# The default model (SmolLM2-135M-Instruct): fetched and converted once into the models cache; redone when the
+# converter changes (a new converter version writes a new folder beside the old).
+MODEL_STAMP := $(VENV)/.model-smollm2
+$(MODEL_STAMP): $(STAMP) tether/model/gguf_convert.py tether/model/smollm2.py
+	$(BIN)/python -m tether.model
+	touch $@
+
+setup: $(STAMP) proto $(MODEL_STAMP)  ## virtualenv, packages, generated gRPC code and the default model
 
 proto: $(STAMP) $(GEN)  ## generate Python code from protos/ (grpcio-tools)
 
 tether/v1/%_pb2.py: protos/tether/v1/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
-run: setup  ## start the local cluster on the embedded tiny model and show it answering
+run: setup  ## start the local cluster on the default model (SmolLM2-135M-Instruct) and show it answering
 	$(BIN)/tether up --demo
 
 test: setup  ## the whole test suite (unit + services on loopback)
