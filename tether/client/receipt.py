@@ -8,8 +8,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tether.client.errors import ReceiptMismatch
-from tether.protocol.hashing import prompt_digest
+from tether.protocol.hashing import messages_digest, prompt_digest
 from tether.types import Receipt
+
+# What a client sent, as the receipt digests it: the prompt's bytes, or the conversation's (role, content bytes).
+Sent = bytes | Sequence[tuple[str, bytes]]
+
+
+def sent_digest(sent: Sent) -> int:
+    """The prompt_digest a receipt must carry for `sent` (docs/PROTOCOL.md "End-to-end receipt")."""
+    return prompt_digest(sent) if isinstance(sent, bytes) else messages_digest(sent)
 
 
 def check_index(expected: int, index: int) -> None:
@@ -19,13 +27,14 @@ def check_index(expected: int, index: int) -> None:
                               f"the stream lost, repeated or reordered tokens")
 
 
-def check_receipt(receipt: Receipt, prompt: bytes, token_ids: Sequence[int], request_id: str = "") -> None:
-    """Raise ReceiptMismatch unless `receipt` vouches for this prompt, these tokens and this request id (the
-    caller's label, echoed as sent: "" when it sent none)."""
-    expected = prompt_digest(prompt)
+def check_receipt(receipt: Receipt, prompt: Sent, token_ids: Sequence[int], request_id: str = "") -> None:
+    """Raise ReceiptMismatch unless `receipt` vouches for this prompt (bytes) or conversation ((role, content
+    bytes) pairs), these tokens and this request id (the caller's label, echoed as sent: "" when it sent none)."""
+    expected = sent_digest(prompt)
     if receipt.prompt_digest != expected:
+        what = "prompt" if isinstance(prompt, bytes) else "conversation"
         raise ReceiptMismatch(f"receipt's prompt digest {receipt.prompt_digest:016x} differs from {expected:016x}, "
-                              f"the digest of the prompt this client sent: the answer is for another prompt")
+                              f"the digest of the {what} this client sent: the answer is for another {what}")
     if receipt.request_id != request_id:
         raise ReceiptMismatch(f"receipt is for request {receipt.request_id!r}, but this client sent {request_id!r}")
     if receipt.output_tokens != len(token_ids):

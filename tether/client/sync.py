@@ -8,12 +8,13 @@ from typing import Any
 import grpc
 
 from tether.client.errors import from_rpc_error
-from tether.client.wire import (StreamAssembler, encode_prompt, generate_request, result_from_response, tag_request,
-                                tags_dict)
+from tether.client.receipt import Sent
+from tether.client.wire import (Messages, StreamAssembler, encode_messages, encode_prompt, result_from_response,
+                                sent_and_request, tag_request, tags_dict)
 from tether.grpcutil import KEEPALIVE_OPTIONS, message_options
 from tether import settings
 from tether.types import Delta, GenerateResult
-from tether.v1 import admission_pb2_grpc
+from tether.v1 import admission_pb2, admission_pb2_grpc
 
 
 class Stream:
@@ -25,7 +26,7 @@ class Stream:
     Raises TetherError subclasses, ReceiptMismatch included, from the iteration.
     """
 
-    def __init__(self, call: grpc.Call, prompt: bytes, request_id: str) -> None:
+    def __init__(self, call: grpc.Call, prompt: Sent, request_id: str) -> None:
         self._call = call
         self._assembler = StreamAssembler(prompt, request_id)
         self.result: GenerateResult | None = None
@@ -73,33 +74,60 @@ class Client:
                  top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                  tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
         """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are."""
-        data = encode_prompt(prompt)
-        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
-                                   request_id=request_id)
-        try:
-            response = self._stub.Generate(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        return result_from_response(response, data, request_id)
+        sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
+                                         priority=priority, request_id=request_id)
+        return self._unary(request, sent, request_id)
+
+    def chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+             tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
+        """The assistant's reply to a conversation, receipt checked; other parameters as `generate`.
+
+        `messages`: [{"role": "user", "content": "Hi"}, ...] or [("user", "Hi"), ...]; roles system (first
+        message only), user and assistant, the last one the user's. Admission renders them with the model's
+        chat template; a conversation over the model's limits is refused (InvalidArgument), never truncated.
+        """
+        sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                                         tenant=tenant, priority=priority, request_id=request_id)
+        return self._unary(request, sent, request_id)
 
     def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
         """Start a request and return its `Stream` (see there); same parameters as `generate`."""
-        data = encode_prompt(prompt)
-        request = generate_request(data, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant, priority=priority,
-                                   request_id=request_id)
-        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), data, request_id)
+        sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
+                                         priority=priority, request_id=request_id)
+        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
 
-    def tag(self, prompt: str | bytes, max_tokens: int = 64, tenant: str = "", priority: str = "") -> dict[str, Any]:
-        """The intent tags admission would give this request, without generating (dry run)."""
-        request = tag_request(encode_prompt(prompt), max_tokens=max_tokens, tenant=tenant, priority=priority)
+    def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
+                    tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
+        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream`."""
+        sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                                         tenant=tenant, priority=priority, request_id=request_id)
+        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
+
+    def tag(self, prompt: str | bytes | None = None, max_tokens: int = 64, tenant: str = "", priority: str = "",
+            *, messages: Messages | None = None) -> dict[str, Any]:
+        """The intent tags admission would give this prompt or conversation, without generating (dry run)."""
+        pairs = encode_messages(messages) if messages is not None else ()
+        data = encode_prompt(prompt) if prompt is not None else b""
+        request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
         try:
-            return tags_dict(self._stub.Tag(request, timeout=self.timeout).tags)
+            return tags_dict((self._stub.Tag(request, timeout=self.timeout)).tags)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
+        try:
+            response = self._stub.Generate(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return result_from_response(response, sent, request_id)
 
     def close(self) -> None:
         self._channel.close()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
 
 from tether.client.errors import ReceiptMismatch
-from tether.client.receipt import check_index, check_receipt
+from tether.client.receipt import Sent, check_index, check_receipt
 from tether.types import FINISH_REASONS, Delta, GenerateResult, Receipt
 from tether.v1 import admission_pb2, common_pb2
 
@@ -16,18 +16,64 @@ def encode_prompt(prompt: str | bytes) -> bytes:
     return prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
 
 
+# A conversation as callers write it: [{"role": "user", "content": "Hi"}, ...] or [("user", "Hi"), ...].
+Messages = Sequence[Union[Mapping[str, Any], tuple[str, Union[str, bytes]]]]
+
+
+def encode_messages(messages: Messages) -> tuple[tuple[str, bytes], ...]:
+    """(role, content bytes) pairs from dicts or tuples; contents as encode_prompt sends them.
+
+    Only the shape is checked here (TypeError/ValueError): roles, order and sizes are admission's rules, so
+    that one place decides them and says why (INVALID_ARGUMENT).
+    """
+    if isinstance(messages, (str, bytes, Mapping)):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts or (role, content) tuples; "
+                        "for a single prompt use generate()")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping):
+            if "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] needs 'role' and 'content' keys; got {sorted(map(str, m))}")
+            role, content = m["role"], m["content"]
+        elif isinstance(m, (tuple, list)) and len(m) == 2:
+            role, content = m
+        else:
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content' or a (role, content) tuple; "
+                            f"got {type(m).__name__}")
+        if not isinstance(role, str) or not isinstance(content, (str, bytes)):
+            raise TypeError(f"messages[{i}]: role must be a str and content a str or bytes; "
+                            f"got {type(role).__name__} and {type(content).__name__}")
+        out.append((role, encode_prompt(content)))
+    return tuple(out)
+
+
+def _message_protos(messages: Sequence[tuple[str, bytes]]) -> list[admission_pb2.Message]:
+    return [admission_pb2.Message(role=role, content=content) for role, content in messages]
+
+
 def generate_request(prompt: bytes, *, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-                     stop: Sequence[str], ignore_eos: bool, tenant: str, priority: str,
-                     request_id: str) -> admission_pb2.GenerateRequest:
+                     stop: Sequence[str], ignore_eos: bool, tenant: str, priority: str, request_id: str,
+                     messages: Sequence[tuple[str, bytes]] = ()) -> admission_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                          seed=seed, stop=list(stop), ignore_eos=ignore_eos)
     return admission_pb2.GenerateRequest(prompt=prompt, sampling=sampling, tenant=tenant, priority=priority,
-                                         request_id=request_id)
+                                         request_id=request_id, messages=_message_protos(messages))
 
 
-def tag_request(prompt: bytes, *, max_tokens: int, tenant: str, priority: str) -> admission_pb2.TagRequest:
+def tag_request(prompt: bytes, *, max_tokens: int, tenant: str, priority: str,
+                messages: Sequence[tuple[str, bytes]] = ()) -> admission_pb2.TagRequest:
     return admission_pb2.TagRequest(prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
-                                    tenant=tenant, priority=priority)
+                                    tenant=tenant, priority=priority, messages=_message_protos(messages))
+
+
+def sent_and_request(prompt: str | bytes | None, messages: Messages | None,
+                     **fields: Any) -> tuple[Sent, admission_pb2.GenerateRequest]:
+    """What the receipt must vouch for, and the request: from a prompt or from a conversation."""
+    if messages is not None:
+        pairs = encode_messages(messages)
+        return pairs, generate_request(b"", messages=pairs, **fields)
+    data = encode_prompt(prompt if prompt is not None else b"")
+    return data, generate_request(data, **fields)
 
 
 def tags_dict(tags: common_pb2.IntentTags) -> dict[str, Any]:
@@ -35,7 +81,7 @@ def tags_dict(tags: common_pb2.IntentTags) -> dict[str, Any]:
     return {f.name: getattr(tags, f.name) for f in tags.DESCRIPTOR.fields}
 
 
-def result_from_response(response: admission_pb2.GenerateResponse, prompt: bytes,
+def result_from_response(response: admission_pb2.GenerateResponse, prompt: Sent,
                          request_id: str) -> GenerateResult:
     """The checked result of a unary Generate; raises ReceiptMismatch when the receipt does not vouch for it."""
     if not response.HasField("receipt"):
@@ -54,7 +100,7 @@ class StreamAssembler:
     sees the end of an answer whose receipt failed.
     """
 
-    def __init__(self, prompt: bytes, request_id: str) -> None:
+    def __init__(self, prompt: Sent, request_id: str) -> None:
         self._prompt = prompt
         self._request_id = request_id
         self._text: list[str] = []
