@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench bench-chaos soak clean
+.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -42,6 +42,9 @@ bench: setup  ## load sweep with audit against a cluster this target starts
 
 bench-chaos: setup  ## every fault kind alone, stamp checks on and off: injected / detected / recovered / failed / wrong
 	$(BIN)/python -m tether.cli.main bench --spawn --chaos all --concurrency 8 --num-requests 24 --out bench-out/chaos
+
+bench-front-door: setup  ## a small request's latency idle vs while 4 and 8 clients send adversarial prompts at the cap (exit 1 past 2x)
+	$(BIN)/python -m bench.front_door --out bench-out/front-door/report.json --log-dir bench-out/front-door/logs
 
 soak: setup  ## a few hundred concurrent streams for ~5 minutes against a local cluster, with random cancels (not in `make test`)
 	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs
