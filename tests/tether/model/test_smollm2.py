@@ -1,0 +1,116 @@
+"""The default model's conversion, checked independently: transformers loads the same GGUF file itself.
+
+transformers (with `gguf` and `accelerate`) dequantizes SmolLM2-135M-Instruct's GGUF and undoes llama.cpp's
+Q/K permutation on its own; our converted folder (tether/model/gguf_convert.py) must give the same logits
+through tether's decoder, whole and split into 2 and 3 stages, and its tokenizer.json must encode like the
+tokenizer transformers builds from the file.
+
+Tolerance: |ours - transformers| <= 1e-3 on logits whose largest magnitude is ~30 (about 3e-5 relative) and
+the same argmax at every position. Both sides compute in float32 from the same dequantized values; what
+differs is summation order (tile attention vs SDPA, 30 layers deep). Measured: ~5e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from tether.model import smollm2  # noqa: E402
+from tether.model.config import ModelConfig, even_split  # noqa: E402
+from tether.model.llama import SlotRows  # noqa: E402
+from tether.model.loader import load_model_tokenizer, load_slice, resolve_model  # noqa: E402
+
+ATOL = 1e-3
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+TEXTS = ["Hello world", "What is the capital of France? Answer in 3 words.", "你好，世界！今天天气怎么样？",
+         "混合 mixed 语言 with 中文", "  leading spaces\n\n\ttabs 12345 don't 3.14159", "emoji 🙂 and ünïcödé",
+         "<|im_start|>system\nYou are helpful.<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return resolve_model(smollm2.NAME)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return smollm2.gguf_file()
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path):
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def _run(m, x: torch.Tensor) -> torch.Tensor:
+    kv = m.new_kv()
+    kv.ensure(x.shape[0])
+    return m(x, [SlotRows(kv, 0, x.shape[0])])
+
+
+def test_config_matches_the_file(folder, hf_model):
+    cfg, c = ModelConfig.from_folder(folder), hf_model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.intermediate_size, cfg.tie_word_embeddings) == (49152, 1536, True)
+    assert (cfg.rope_theta, cfg.rms_norm_eps) == (c.rope_parameters["rope_theta"] if getattr(
+        c, "rope_parameters", None) else c.rope_theta, pytest.approx(c.rms_norm_eps))
+    assert cfg.bos_token_id == 1 and 2 in cfg.eos_token_ids      # <|im_start|>, <|im_end|>
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_logits_match_transformers_on_a_split(folder, hf_model, stages):
+    tok = load_model_tokenizer(folder)
+    slices = [load_slice(folder, a, b) for a, b in even_split(ModelConfig.from_folder(folder).num_hidden_layers,
+                                                                 stages)]
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = torch.tensor(tok.encode(prompt))
+        with torch.no_grad():
+            want = hf_model(input_ids=ids[None], use_cache=False).logits[0].float()
+        x = ids
+        for s in slices:
+            x = _run(s, x)
+        got = slices[-1].logits(x)
+        assert want.abs().max() > 10.0                           # a real model's logits, not near zero
+        worst = max(worst, (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    print(f"{stages} stage(s): max |ours - transformers| = {worst:.2e}")
+
+
+def test_tokenizer_encodes_like_transformers(folder, hf_tokenizer):
+    tok = load_model_tokenizer(folder)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert tok.encode("<|im_start|>") == [1]                     # control tokens match whole
+    assert tok.decode(tok.encode("Paris 巴黎")) == "Paris 巴黎"
+
+
+def test_chat_template_renders_like_transformers(folder, hf_tokenizer):
+    import json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    ours = ImmutableSandboxedEnvironment().from_string(template).render(messages=messages,
+                                                                         add_generation_prompt=True)
+    assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.startswith("<|im_start|>system\n") and ours.endswith("<|im_start|>assistant\n")
