@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --target: every stage, for requests_held and kv_used_tokens at the end")
     g.add_argument("--pids", type=_pairs, default={}, metavar="NAME=PID,...",
                    help="with --target: the service processes whose RSS to sample")
-    g.add_argument("--model", default=settings.DEFAULT_MODEL, help="served model (default: %(default)s)")
+    # tiny: the soak checks the service (streams, cancels, leaks), not the model; the real one would need ~20x the CPU.
+    g.add_argument("--model", default="tiny", help="served model (default: %(default)s)")
     g.add_argument("--stages", type=int, default=2, help="stages to start (default: %(default)s)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per stage (default: cores divided among the stages, as `tether up`)")

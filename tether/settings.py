@@ -10,7 +10,9 @@ ADMISSION_PORT = 50051
 COORDINATOR_PORT = 50061
 STAGE_BASE_PORT = 50071
 
-DEFAULT_MODEL = "tiny"
+# The model `tether up`, `make run` and `tether bench` serve: SmolLM2-135M-Instruct, converted once from its GGUF
+# (tether/model/smollm2.py). The random presets tiny/small/base are for unit tests and kernel benchmarks.
+DEFAULT_MODEL = "smollm2"
 
 # Admission limits.
 MAX_PROMPT_BYTES = 64 * 1024

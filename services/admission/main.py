@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", metavar="HOST:PORT", default=f"127.0.0.1:{settings.COORDINATOR_PORT}",
                    help="the coordinator to forward to (default: %(default)s)")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
-                   help="preset name (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
+                   help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
                         "since admission tokenizes (default: %(default)s)")
     p.add_argument("--max-concurrent", type=_positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
                    help="requests in flight beyond which admission answers RESOURCE_EXHAUSTED (default: %(default)s)")

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.COORDINATOR_PORT, help="gRPC port (default: %(default)s)")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
-                   help="preset (tiny, small, base) or a Hugging Face folder: must be what the stages loaded "
+                   help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or a Hugging Face folder: must be what the stages loaded "
                         "(default: %(default)s)")
     p.add_argument("--stages", required=True,
                    help="the route: comma-separated HOST:PORT of the stage workers, first layers first")

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.STAGE_BASE_PORT, help="gRPC port (default: %(default)s)")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
-                   help="preset (tiny, small, base) or a Hugging Face folder (default: %(default)s)")
+                   help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or a Hugging Face "
+                        "folder (default: %(default)s)")
     p.add_argument("--layers", default=":",
                    help="layers to hold: START:END (END exclusive) or I/N for slice I of an even split into N "
                         "(default: all)")

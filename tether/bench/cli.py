@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spawn", action="store_true",
                    help="start a local cluster (--model, --stages, --threads) for the run and stop it after")
     g.add_argument("--model", default=settings.DEFAULT_MODEL,
-                   help="the model the cluster serves: preset (tiny, small, base) or Hugging Face folder. The "
+                   help="the model the cluster serves: smollm2 (the real default model), a random-weight preset "
+                        "(tiny, small, base: kernel benchmarks) or a Hugging Face folder. The "
                         "bench tokenizes with it, audits and runs baselines on it, and checks it against the "
                         "fingerprint in the answers' receipts (default: %(default)s)")
     g.add_argument("--stages", type=_positive_int, default=2,

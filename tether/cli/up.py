@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                "after that they fail with UNAVAILABLE. --max-restarts sets the crashes allowed per child, "
                "--no-restart stops the cluster at the first death.")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
-                   help="preset (tiny, small, base: random weights generated from a seed) or a Hugging Face "
+                   help="smollm2 (the default: SmolLM2-135M-Instruct, a real instruct model, fetched and converted once), a "
+                        "random-weight preset for tests and kernel benchmarks (tiny, small, base) or a Hugging Face "
                         "folder with config.json, *.safetensors and tokenizer.json (default: %(default)s)")
     p.add_argument("--stages", type=int, default=2, help="stage workers; layers are split evenly (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,

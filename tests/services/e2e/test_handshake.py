@@ -15,7 +15,7 @@ from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, common_pb2
 
 def _start(tmp_path, stage_specs: list[tuple[str, str]]) -> LocalCluster:
     """Stages with explicit (model, layers) plus a coordinator over them; no admission."""
-    c = LocalCluster(log_dir=tmp_path)
+    c = LocalCluster(model="tiny", log_dir=tmp_path)
     py = [sys.executable, "-m"]
     for i, (model, layers) in enumerate(stage_specs):
         port = free_port()

@@ -37,7 +37,7 @@ def test_help_explains_every_option():
 
 def test_bench_spawns_a_cluster_and_writes_an_audited_report(tmp_path):
     out_dir = tmp_path / "bench-out"
-    run = subprocess.run(TETHER + ["bench", "--spawn", "--concurrency", "4", "--num-requests", "8", "--warmup", "2",
+    run = subprocess.run(TETHER + ["bench", "--spawn", "--model", "tiny", "--concurrency", "4", "--num-requests", "8", "--warmup", "2",
                                    "--audit", "--slo", "ttft:10000,tpot:2000", "--baselines",
                                    "--baseline-requests", "4", "--batch-size", "4", "--out", str(out_dir)],
                          capture_output=True, text=True, timeout=300)
@@ -59,7 +59,7 @@ def test_bench_spawns_a_cluster_and_writes_an_audited_report(tmp_path):
 
 
 def test_bench_against_a_running_cluster_in_open_loop(cluster, tmp_path):
-    bench_main(["--target", cluster.target, "--rate", "8", "--num-requests", "6", "--warmup", "1",
+    bench_main(["--target", cluster.target, "--model", "tiny", "--rate", "8", "--num-requests", "6", "--warmup", "1",
                 "--workload", "synthetic", "--input-len", "32", "--output-len", "8", "--audit", "--quiet",
                 "--out", str(tmp_path)])
     rep = json.loads((tmp_path / "report.json").read_text())

@@ -190,7 +190,7 @@ def test_forget_kv_gives_wrong_answers_only_with_the_checks_off(tmp_path):
     """The 答非所问 failure reproduced: a stage forgetting request state under load. With the stamp checks every
     lost state is caught (UNKNOWN_REQUEST) and the request replayed or failed explicitly; with the unsafe switch
     the stage runs the next token on empty state and the answer silently changes."""
-    bench_main(["--spawn", "--chaos", "forget_kv=0.1", "--concurrency", "4", "--num-requests", "6", "--warmup", "1",
+    bench_main(["--spawn", "--model", "tiny", "--chaos", "forget_kv=0.1", "--concurrency", "4", "--num-requests", "6", "--warmup", "1",
                 "--workload", "single", "--quiet", "--out", str(tmp_path)])
     rep = json.loads((tmp_path / "report.json").read_text())
     c = rep["chaos"]

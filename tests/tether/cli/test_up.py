@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def test_up_generate_and_clean_stop():
     ports = [free_port() for _ in range(4)]
-    up = subprocess.Popen(TETHER + ["up", "--port", str(ports[0]), "--coordinator-port", str(ports[1]),
+    up = subprocess.Popen(TETHER + ["up", "--model", "tiny", "--port", str(ports[0]), "--coordinator-port", str(ports[1]),
                                     "--stage-port", str(ports[2]), "--stages", "2", "--threads", "1"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids, lines = [], []
