@@ -13,13 +13,15 @@ from pathlib import Path
 
 import torch
 
+from tether.client.wire import Messages, encode_messages
 from tether.engine import sampler
 from tether.engine.sequence import Sequence
+from tether.model.chat_template import ChatTemplate, load_chat_template, render_conversation
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice, SlotRows
 from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
 from tether.model.tokenizer import Tokenizer
-from tether.protocol.hashing import hash_seed, prompt_digest
+from tether.protocol.hashing import hash_seed, messages_digest, prompt_digest
 from tether.types import FINISH_REASONS, GenerateResult, Receipt
 from tether.v1 import common_pb2
 
@@ -30,6 +32,7 @@ class LoadedModel:
     model: ModelSlice
     tokenizer: Tokenizer
     fingerprint: str
+    chat_template: ChatTemplate | None = None   # the folder's, as admission loads it
 
     @property
     def config(self) -> ModelConfig:
@@ -39,7 +42,8 @@ class LoadedModel:
 @functools.lru_cache(maxsize=4)
 def load(model: str = "tiny", dtype: str = "float32") -> LoadedModel:
     folder = resolve_model(model)
-    return LoadedModel(folder, load_slice(folder, dtype=dtype), load_model_tokenizer(folder), model_fingerprint(folder))
+    return LoadedModel(folder, load_slice(folder, dtype=dtype), load_model_tokenizer(folder), model_fingerprint(folder),
+                       load_chat_template(folder))
 
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
@@ -76,10 +80,32 @@ def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperat
     """The reference answer for one request, as a GenerateResult (the SDK's type)."""
     lm = load(model)
     params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+    return _answer(lm, prompt, prompt_digest(prompt.encode()), params, namespace, seed)
+
+
+def render_chat(lm: LoadedModel, messages: Messages) -> str:
+    """The prompt text admission renders for `messages` (dicts or (role, content) tuples) on this model."""
+    pairs = [(role, content.decode("utf-8")) for role, content in encode_messages(messages)]
+    return render_conversation(lm.chat_template, pairs)
+
+
+def chat(messages: Messages, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
+         top_k: int = 0, top_p: float = 0.0, seed: int = 0, stop=(), ignore_eos: bool = False,
+         namespace: str = "") -> GenerateResult:
+    """The reference reply to a conversation: rendered with the model's chat template by the same function as
+    admission's, so the served reply must equal it token for token. ConversationError (a ValueError) where
+    admission answers INVALID_ARGUMENT for the conversation itself."""
+    lm = load(model)
+    params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+    digest = messages_digest(encode_messages(messages))
+    return _answer(lm, render_chat(lm, messages), digest, params, namespace, seed)
+
+
+def _answer(lm: LoadedModel, prompt: str, digest: int, params: common_pb2.SamplingParams, namespace: str,
+            seed: int) -> GenerateResult:
     prompt_ids = lm.tokenizer.encode(prompt)
     seq = generate_ids(lm, prompt_ids, params, namespace)
-    receipt = Receipt(seq.request_id, prompt_digest(prompt.encode()), len(prompt_ids), seq.hasher.value,
-                      len(seq.output_ids), lm.fingerprint)
+    receipt = Receipt(seq.request_id, digest, len(prompt_ids), seq.hasher.value, len(seq.output_ids), lm.fingerprint)
     return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt, seed=seed)
 
 

@@ -166,7 +166,7 @@ def _check_stop(stop: list[str]) -> None:
 def _check_lengths(prompt_tokens: int, max_tokens: int, max_context: int, what: str = "prompt") -> None:
     # A conversation over a limit is refused, never cut to fit: silently dropping earlier turns gives answers
     # that miss the question, so the caller decides what to drop.
-    shorten = "drop or shorten earlier messages" if what != "prompt" else "shorten the prompt"
+    shorten = "drop or shorten messages" if what != "prompt" else "shorten the prompt"
     if prompt_tokens == 0:
         raise ValidationError(f"{what} tokenizes to no tokens; send some text")
     if prompt_tokens > settings.MAX_PROMPT_TOKENS:

@@ -14,8 +14,12 @@ DEFAULT_TARGET = f"127.0.0.1:{settings.ADMISSION_PORT}"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether generate",
-                                description="Send one prompt to tether's admission service and print the answer.")
-    p.add_argument("prompt", help="the prompt (UTF-8 text)")
+                                description="Send one prompt, or a one-turn conversation (--user, optionally "
+                                            "--system, rendered with the model's chat template), to tether's "
+                                            "admission service and print the answer.")
+    p.add_argument("prompt", nargs="?", help="the prompt (UTF-8 text), sent as is; or use --user")
+    p.add_argument("--user", help="a user message, sent as a conversation (instead of a raw prompt)")
+    p.add_argument("--system", help="a system message before --user")
     p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
                    help="output budget in tokens (default: %(default)s)")
@@ -32,19 +36,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def conversation_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """The one-turn conversation of --system/--user, None for a raw prompt; exits with usage on a bad mix."""
+    if (args.prompt is None) == (args.user is None):
+        parser.error("give a prompt, or --user (optionally with --system), but not both")
+    if args.user is None:
+        if args.system is not None:
+            parser.error("--system needs --user: the model answers a user message")
+        return None
+    return ([("system", args.system)] if args.system is not None else []) + [("user", args.user)]
+
+
 def main(argv: list[str] | None = None) -> None:
     from tether.client import Client, TetherError
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    messages = conversation_args(parser, args)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=tuple(args.stop), tenant=args.tenant, priority=args.priority)
     try:
         with Client(args.target, timeout=args.timeout) as client:
             if args.stream and not args.json:
-                for delta in client.stream(args.prompt, **params):
+                stream = client.stream_chat(messages, **params) if messages else client.stream(args.prompt, **params)
+                for delta in stream:
                     print(delta.text, end="", flush=True)
                 print()
                 return
-            result = client.generate(args.prompt, **params)
+            result = client.chat(messages, **params) if messages else client.generate(args.prompt, **params)
     except TetherError as e:
         raise SystemExit(f"tether generate: {e}")
     if args.json:
@@ -56,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 def build_tag_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether tag", description="Show the intent tags admission extracts from a prompt "
                                                              "(language, length constraint, task, domain, ...).")
-    p.add_argument("prompt", help="the prompt (UTF-8 text)")
+    p.add_argument("prompt", nargs="?", help="the prompt (UTF-8 text); or use --user")
+    p.add_argument("--user", help="a user message: tag it as a conversation (with an optional --system)")
+    p.add_argument("--system", help="a system message before --user")
     p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS, help="requested output budget")
     return p
@@ -64,10 +84,12 @@ def build_tag_parser() -> argparse.ArgumentParser:
 
 def tag_main(argv: list[str] | None = None) -> None:
     from tether.client import Client, TetherError
-    args = build_tag_parser().parse_args(argv)
+    parser = build_tag_parser()
+    args = parser.parse_args(argv)
+    messages = conversation_args(parser, args)
     try:
         with Client(args.target) as client:
-            tags = client.tag(args.prompt, max_tokens=args.max_tokens)
+            tags = client.tag(args.prompt, max_tokens=args.max_tokens, messages=messages)
     except TetherError as e:
         raise SystemExit(f"tether tag: {e}")
     print(json.dumps(tags, ensure_ascii=False, indent=2))

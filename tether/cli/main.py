@@ -15,7 +15,9 @@ def _service(module: str):
 
 COMMANDS = {
     "up": ("start the local cluster (stages, coordinator, admission) as processes", "tether.cli.up"),
-    "generate": ("send one prompt to a running cluster and print the answer", "tether.cli.generate"),
+    "generate": ("send one prompt (or --system/--user) to a running cluster and print the answer",
+                 "tether.cli.generate"),
+    "chat": ("talk to a running cluster: an interactive conversation, replies streamed", "tether.cli.chat"),
     "tag": ("show the intent tags admission would give a prompt (no generation)", "tether.cli.generate"),
     "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.bench.cli"),
     "stage": ("run one stage worker (as a container would)", None),

@@ -76,11 +76,11 @@ def test_an_oversize_history_is_refused_never_truncated():
     assert msg == ("conversation (rendered with the chat template) (336 tokens) + max_tokens (256) exceeds the "
                    "model's context of 512 tokens; lower max_tokens to at most 176")
     longer = [("user", "q" * 400), ("assistant", "a" * 100), ("user", "last")]
-    assert "drop or shorten earlier messages" in refused(chat(*longer, sampling={"max_tokens": 8}), small)
+    assert "drop or shorten messages" in refused(chat(*longer, sampling={"max_tokens": 8}), small)
     big = ModelLimits(ByteTokenizer(), max_context=10**6, vocab_size=272, chat_template=CHATML)
     over = [("user", "x" * settings.MAX_PROMPT_TOKENS)]
     msg = refused(chat(*over), big)
-    assert f"at most {settings.MAX_PROMPT_TOKENS} tokens" in msg and "drop or shorten earlier messages" in msg
+    assert f"at most {settings.MAX_PROMPT_TOKENS} tokens" in msg and "drop or shorten messages" in msg
 
 
 def test_a_model_without_a_template_refuses_conversations_but_serves_prompts():

@@ -1,0 +1,114 @@
+"""`tether chat`: an interactive conversation with a running cluster.
+
+Each line you type is a user message; the reply streams as it is generated and joins the history, which is
+sent whole with every turn (admission renders it with the model's chat template). `/reset` starts over
+(keeping --system), `/exit` or end of input leaves. A turn the server refuses (e.g. a history grown past the
+model's context) is dropped from the history and the error printed: nothing is truncated behind your back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from tether import settings
+from tether.cli.generate import DEFAULT_TARGET
+
+HELP = "commands: /reset (forget the conversation, keep the system prompt), /exit (or end of input)"
+
+
+@dataclass
+class Conversation:
+    """The history the REPL sends: pure, so its rules are testable without a server."""
+
+    system: str = ""
+    messages: list[tuple[str, str]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages.clear()
+
+    def with_user(self, text: str) -> list[tuple[str, str]]:
+        """The messages to send for a new user turn (the history is only extended once the reply is complete)."""
+        head = [("system", self.system)] if self.system else []
+        return head + self.messages + [("user", text)]
+
+    def add_turn(self, user: str, assistant: str) -> None:
+        self.messages += [("user", user), ("assistant", assistant)]
+
+    @property
+    def turns(self) -> int:
+        return len(self.messages) // 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether chat", description="Talk to a running cluster: an interactive "
+                                "conversation, history kept, replies streamed. " + HELP + ".")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    p.add_argument("--system", default="", help="system prompt, sent first with every turn")
+    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
+                   help="output budget per reply (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one per reply")
+    p.add_argument("--tenant", default="", help="tenant (cache namespace)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per reply before giving up "
+                                                                "(default: %(default)s)")
+    return p
+
+
+def repl(client, conversation: Conversation, params: dict, stdin: TextIO, stdout: TextIO, stderr: TextIO,
+         interactive: bool) -> int:
+    """Read user lines until /exit or end of input; return the number of completed turns."""
+    from tether.client import TetherError
+    if interactive:
+        print(f"tether chat: {HELP}", file=stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line:          # end of input
+            break
+        text = line.rstrip("\r\n")
+        command = text.strip()
+        if not command:
+            continue
+        if command == "/exit":
+            break
+        if command == "/reset":
+            conversation.reset()
+            print("(conversation reset)", file=stderr, flush=True)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; {HELP}", file=stderr, flush=True)
+            continue
+        stream = client.stream_chat(conversation.with_user(text), **params)
+        try:
+            for delta in stream:
+                print(delta.text, end="", file=stdout, flush=True)
+        except TetherError as e:
+            # The turn is dropped: the history stays what the server last accepted.
+            print(f"\n[error: {e}; this message was not added to the conversation"
+                  + ("; /reset to start over" if conversation.messages else "") + "]", file=stderr, flush=True)
+            continue
+        except KeyboardInterrupt:
+            stream.cancel()
+            print("\n[interrupted; this message was not added to the conversation]", file=stderr, flush=True)
+            continue
+        print(file=stdout, flush=True)
+        conversation.add_turn(text, stream.result.text)
+    return conversation.turns
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tether.client import Client
+    args = build_parser().parse_args(argv)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, tenant=args.tenant)
+    with Client(args.target, timeout=args.timeout) as client:
+        try:
+            repl(client, Conversation(args.system), params, sys.stdin, sys.stdout, sys.stderr, sys.stdin.isatty())
+        except KeyboardInterrupt:   # at the prompt: leave quietly
+            print(file=sys.stderr)
