@@ -174,7 +174,8 @@ class FaultLedger:
     faulted request through the same hook tells which happened. `observe` is given every frame (reply) the hook
     sees *before* any fault is drawn for it; a frame of an older epoch or position (a late or reordered copy) says
     nothing and is skipped. At the reply hook a same-position result counts as a resend only if it is ok (a
-    stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp). A request that ends (finished, failed)
+    stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp), and a reply fault records only the ok results
+it hit (a rejection cannot become a token; its echo may already carry an upstream fault's ids). A request that ends (finished, failed)
     right after the fault leaves the slot open: the caller decides what that means from how the request ended.
     Open slots are capped (oldest forgotten) so that an injector left on cannot grow without bound."""
 
@@ -398,7 +399,8 @@ class FaultInjector:
             out = _copy(out)
             i, j = self._rng["cross_ids"].sample(range(len(out.results)), 2)
             si, sj = out.results[i].stamp, out.results[j].stamp
-            self.ledger.record("cross_ids", "reply", [si, sj])
+            # only an ok result could be taken for a token; a rejection is rebuilt on whatever its id says
+            self.ledger.record("cross_ids", "reply", [r.stamp for r in (out.results[i], out.results[j]) if r.ok])
             si.request_id, sj.request_id = sj.request_id, si.request_id
             self._count("cross_ids")
         if self._draw("corrupt"):

@@ -395,3 +395,11 @@ def test_a_reorder_that_goes_out_in_order_after_all_is_harmless():
     inj.outbound(frame_of(st("a", 1, 1), seq=2), held)
     out = inj.outbound(frame_of(st("b", 1, 0), seq=3), held)    # the reorder happens: a's frame stays followed
     assert [g.stream_seq for g in out] == [3, 2] and [s for _, s in inj.ledger.open_slots] == [("a", 1, 1)]
+
+
+def test_a_reply_fault_follows_only_results_that_could_become_tokens():
+    inj = only("cross_ids", seed=9)
+    r = make_reply(2)
+    r.results[1].ok = False                       # a rejection: whatever its id says, it is rebuilt
+    inj.reply(r)
+    assert [s for _, s in inj.ledger.open_slots] == [("req-0", 1, 3)] and inj.ledger.recorded == 1
