@@ -85,17 +85,23 @@ def repl(client, conversation: Conversation, params: dict, stdin: TextIO, stdout
             print(f"unknown command {command}; {HELP}", file=stderr, flush=True)
             continue
         stream = client.stream_chat(conversation.with_user(text), **params)
+        printed = False
         try:
             for delta in stream:
                 print(delta.text, end="", file=stdout, flush=True)
+                printed = True
         except TetherError as e:
             # The turn is dropped: the history stays what the server last accepted.
-            print(f"\n[error: {e}; this message was not added to the conversation"
+            if printed:   # end the partial reply's line
+                print(file=stdout, flush=True)
+            print(f"[error: {e}; this message was not added to the conversation"
                   + ("; /reset to start over" if conversation.messages else "") + "]", file=stderr, flush=True)
             continue
         except KeyboardInterrupt:
             stream.cancel()
-            print("\n[interrupted; this message was not added to the conversation]", file=stderr, flush=True)
+            if printed:
+                print(file=stdout, flush=True)
+            print("[interrupted; this message was not added to the conversation]", file=stderr, flush=True)
             continue
         print(file=stdout, flush=True)
         conversation.add_turn(text, stream.result.text)
