@@ -7,6 +7,7 @@
         for delta in s:
             print(delta.text, end="")
         print(s.result.receipt)
+        print(c.chat([{"role": "user", "content": "Hi"}]).text)   # a conversation; stream_chat too
 
 Every answer's receipt is checked against what this client sent; a mismatch raises ReceiptMismatch.
 """
