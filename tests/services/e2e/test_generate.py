@@ -58,6 +58,7 @@ def test_concurrent_mixed_requests_equal_reference_exactly(cluster, n):
 def test_200_identical_requests_give_one_completion(cluster):
     greedy = _generate_all(cluster.target, [dict(prompt="请用不超过50字向老人解释血糖仪读数", max_tokens=24)] * 200)
     assert len({tuple(r.token_ids) for r in greedy}) == 1
+    assert greedy[0].token_ids == reference.generate("请用不超过50字向老人解释血糖仪读数", max_tokens=24).token_ids
     sampled = _generate_all(cluster.target, [dict(prompt="Tell me a story", max_tokens=24, temperature=1.0,
                                                   seed=42)] * 64)
     assert len({tuple(r.token_ids) for r in sampled}) == 1
@@ -78,12 +79,20 @@ def test_receipt_and_tags(cluster):
 
 
 def test_stream_deltas_are_whole_characters_and_add_up(cluster):
+    """The byte tokenizer splits every multi-byte character across tokens. A delta that cut one would carry
+    U+FFFD where the final text has the real character: every cumulative text must be a prefix of the final
+    one (random weights also emit invalid bytes, whose U+FFFD is part of the reference text itself)."""
+    cases = [("写一首关于秋天的短诗", 1), ("naïve café résumé", 2), ("日本語のテキスト", 2)]
     with Client(cluster.target) as client:
-        deltas = list(client.stream("写一首关于秋天的短诗", max_tokens=40, temperature=1.0, seed=11))
-        whole = client.generate("写一首关于秋天的短诗", max_tokens=40, temperature=1.0, seed=11)
-    assert [d.index for d in deltas] == list(range(len(deltas)))
-    assert [d.token_id for d in deltas] == whole.token_ids
-    assert "".join(d.text for d in deltas) == whole.text
-    for d in deltas:
-        d.text.encode("utf-8")   # a split multi-byte character would be a lone surrogate or fail here
-    assert deltas[-1].finish_reason == whole.finish_reason
+        for prompt, seed in cases:
+            params = dict(max_tokens=120, temperature=1.0, seed=seed)
+            want = reference.generate(prompt, **params)
+            assert sum(len(ch.encode()) > 1 and ch != "\ufffd" for ch in want.text) >= 2, "no multi-byte output"
+            deltas = list(client.stream(prompt, **params))
+            assert [d.index for d in deltas] == list(range(len(deltas)))
+            assert [d.token_id for d in deltas] == want.token_ids
+            text = ""
+            for d in deltas:
+                text += d.text
+                assert want.text.startswith(text), (text[-8:], want.text[len(text) - 8:len(text) + 4])
+            assert text == want.text and deltas[-1].finish_reason == want.finish_reason
