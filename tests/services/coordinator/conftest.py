@@ -1,0 +1,88 @@
+"""Shared pieces of the coordinator tests: an in-process stand-in for the pipeline (labelled as a fake)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.coordinator.scheduler import Request
+from tether.engine.sequence import Sequence
+from tether.model.loader import load_model_tokenizer, resolve_model
+from tether.protocol.hashing import hash_seed
+from tether.reference import sampling_params
+
+TOK = load_model_tokenizer(resolve_model("tiny"))
+
+
+class FakePipeline:
+    """Stands in for services.coordinator.pipeline.Pipeline: records frames, answers with `answer(frame)`."""
+
+    num_stages = 1
+    stages: list = []
+    epoch = 1
+
+    def __init__(self, answer) -> None:
+        self.answer = answer          # (connection number, slots) -> FrameReply | Exception | None
+        self.seq = 0
+        self.connects = 0
+        self.released: list[str] = []
+        self.replies_q: asyncio.Queue = asyncio.Queue()
+
+        class _Faults:
+            counts: dict = {}
+        self.faults = _Faults()
+
+    async def connect(self) -> None:
+        self.connects += 1
+        self.replies_q = asyncio.Queue()
+
+    def frame_limits(self) -> tuple[int, int]:
+        return 0, 0
+
+    async def send(self, slots) -> int:
+        self.seq += 1
+        if slots:
+            self.replies_q.put_nowait(self.answer(self.connects, self.seq, slots))
+        return self.seq
+
+    async def replies(self):
+        while True:
+            item = await self.replies_q.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is not None:
+                yield item
+
+    async def sync(self, ids):
+        return [{}]
+
+    async def release(self, ids) -> set[str]:
+        self.released.extend(ids)
+        return set()
+
+    def close_stream(self) -> None:
+        pass
+
+
+def request(rid: str, max_tokens: int = 4) -> Request:
+    seq = Sequence(rid, [72, 105], sampling_params(max_tokens=max_tokens), TOK, hash_seed("fp", ""), 4096)
+    return Request(seq)
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+
+@pytest.fixture
+def kit():
+    """The helpers above, for test modules (no imports between test files)."""
+    class Kit:
+        pass
+    k = Kit()
+    k.FakePipeline, k.request, k.until = FakePipeline, request, _until
+    return k
