@@ -19,11 +19,24 @@ from tether import settings
 from tether.cli.cluster import LocalCluster
 from tether.cli.supervisor import GaveUp, RestartPolicy, Supervisor
 
+# The demo on the default model (a real instruct model): questions as conversations, rendered by admission with
+# the model's chat template. Greedy unless a seed is given, so a run shows the same answers every time.
+DEMO_CHATS = [
+    ([("user", "What is the capital of France?")], dict(max_tokens=32)),
+    ([("user", "Explain in under 30 words why the sky is blue.")], dict(max_tokens=64)),
+    ([("user", "Give me three tips for staying focused while studying.")],
+     dict(max_tokens=96, temperature=0.7, top_p=0.9, seed=7)),
+    # SmolLM2-135M's Chinese is weak (its training data is mostly English): this one is here for the tags.
+    ([("user", "请用不超过50字向老人解释血糖仪读数")], dict(max_tokens=64)),
+]
+# One multi-turn exchange: the first reply is fed back as the assistant's turn, then a follow-up.
+DEMO_FOLLOW_UP = ("What is the capital of France?", "What is the most famous tower there?")
+# Raw prompts for a model without a chat template (the random presets: their answers are noise).
 DEMO_PROMPTS = [
     ("请用不超过50字向老人解释血糖仪读数", dict(max_tokens=48)),
     ("Explain in under 30 words why the sky is blue.", dict(max_tokens=32)),
-    ("写一首关于秋天的短诗", dict(max_tokens=32, temperature=0.8, seed=7)),
-    ("Summarize: tether pins every activation to the request that produced it.", dict(max_tokens=24, temperature=0.7, top_p=0.9, seed=1)),
+    ("Summarize: tether pins every activation to the request that produced it.",
+     dict(max_tokens=24, temperature=0.7, top_p=0.9, seed=1)),
 ]
 
 
@@ -66,18 +79,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_demo(target: str) -> None:
+def _show(asked: str, params: dict, r) -> None:
+    print(f"\n> {asked}\n  {params}\n  tags: language={r.tags.get('language')} task={r.tags.get('task')} "
+          f"length_limit={r.tags.get('length_limit')}{r.tags.get('length_unit')} "
+          f"domain={r.tags.get('domain')} audience={r.tags.get('audience')}\n"
+          f"  answer ({len(r.token_ids)} tokens, {r.finish_reason}): {r.text!r}\n"
+          f"  receipt: request {r.receipt.internal_id} context hash {r.receipt.context_hash:016x}", flush=True)
+
+
+def run_demo(target: str, model: str = settings.DEFAULT_MODEL) -> None:
+    """A few real answers (conversations on a model with a chat template), or raw prompts on a random preset."""
     from tether.client import Client
-    with Client(target) as client:
-        for prompt, params in DEMO_PROMPTS:
-            r = client.generate(prompt, **params)
-            print(f"\n> {prompt}\n  {params}\n  tags: language={r.tags.get('language')} task={r.tags.get('task')} "
-                  f"length_limit={r.tags.get('length_limit')}{r.tags.get('length_unit')} "
-                  f"domain={r.tags.get('domain')} audience={r.tags.get('audience')}\n"
-                  f"  answer ({len(r.token_ids)} tokens, {r.finish_reason}): {r.text!r}\n"
-                  f"  receipt: request {r.receipt.internal_id} context hash {r.receipt.context_hash:016x}", flush=True)
-    print("\n(the default model's weights are random: its answers are noise; serve a real checkpoint with "
-          "`tether up --model /path/to/hf-folder`)", flush=True)
+    from tether.model.chat_template import load_chat_template
+    from tether.model.loader import resolve_model
+
+    with Client(target, timeout=300) as client:
+        if load_chat_template(resolve_model(model)) is None:
+            for prompt, params in DEMO_PROMPTS:
+                _show(prompt, params, client.generate(prompt, **params))
+            print(f"\n({model} has random weights: its answers are noise. The default model, "
+                  f"{settings.DEFAULT_MODEL}, answers for real: `tether up --demo`)", flush=True)
+            return
+        for messages, params in DEMO_CHATS:
+            _show(messages[-1][1], params, client.chat(messages, **params))
+        first, follow_up = DEMO_FOLLOW_UP
+        reply = client.chat([("user", first)], max_tokens=32)
+        conversation = [("user", first), ("assistant", reply.text), ("user", follow_up)]
+        r = client.chat(conversation, max_tokens=48)
+        print(f"\n> a conversation: {first!r} -> {reply.text!r}, then {follow_up!r}", flush=True)
+        _show(follow_up, dict(max_tokens=48), r)
+    if model == settings.DEFAULT_MODEL:
+        print("\n(SmolLM2-135M-Instruct is small: its English answers are short and sometimes wrong, and its Chinese "
+              "is weak — the Chinese prompt is here to show the tags)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,9 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         for svc in cluster.services:
             print(f"  {svc.name:<12} {svc.address}  (pid {svc.proc.pid})", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
-              f"`tether generate --target {cluster.target} \"你好\"`. Ctrl-C stops it.", flush=True)
+              f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
         if args.demo:
-            run_demo(cluster.target)
+            run_demo(cluster.target, args.model)
         # Supervise from this (the spawning) thread: children die with it (PR_SET_PDEATHSIG, tether/procutil.py).
         supervisor = Supervisor(cluster, policy, time.monotonic(), say=lambda m: print(m, flush=True))
         while not stop.wait(POLL_S):
