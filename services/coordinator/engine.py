@@ -72,7 +72,8 @@ class Engine:
     def __init__(self, pipeline: Pipeline, max_slots: int = settings.MAX_BATCH_SLOTS,
                  max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
                  recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS,
-                 stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None):
+                 stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None,
+                 stream_idle_s: float = settings.STREAM_IDLE_S):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
         self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
@@ -81,6 +82,7 @@ class Engine:
         self.max_rebuilds = max_rebuilds
         self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
         self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
+        self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
         self.to_release: list[str] = []
@@ -228,7 +230,7 @@ class Engine:
     async def _feed(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), settings.STREAM_IDLE_S / 3)
+                await asyncio.wait_for(self.wake.wait(), self.keepalive_s)
             except TimeoutError:
                 if not self.frames:   # idle: an empty frame keeps the stages from closing the stream
                     self.frames[self.pipeline.seq + 1] = (time.monotonic(), [])

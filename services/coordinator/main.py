@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rebuilds", type=int, default=settings.MAX_REBUILDS,
                    help="times one request's state may be replayed after integrity failures before it fails "
                         "with ABORTED (default: %(default)s)")
+    p.add_argument("--stream-idle", type=float, default=settings.STREAM_IDLE_S, metavar="SECONDS",
+                   help="the stages' idle timeout (their --stream-idle): an idle pipeline gets a keep-alive frame "
+                        "every third of it (default: %(default)s)")
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the request ends with "
                         "DEADLINE_EXCEEDED and its state is released (default: %(default)s)")
@@ -63,7 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
                              max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES)
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
-                    on_serving=server.set_serving)
+                    on_serving=server.set_serving, stream_idle_s=args.stream_idle)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds),
         server.server)

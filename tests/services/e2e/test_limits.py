@@ -1,10 +1,12 @@
 """Limits each service enforces itself: a request lifetime when the caller sets none, admission's own message
-size, and no forwarding while admission is not ready (coordinator gone, or serving another model)."""
+size and concurrency cap (RESOURCE_EXHAUSTED with RetryInfo), and no forwarding while admission is not ready
+(coordinator gone, or serving another model)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -16,14 +18,14 @@ from tether.client import Client, TetherError
 from tether.v1 import (admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc,
                        stage_pb2, stage_pb2_grpc)
 
-LIFETIME_S = 2.0
+LIFETIME_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def short_lived(tmp_path_factory):
     lifetime = ["--max-request-seconds", str(LIFETIME_S)]
     c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"admission": lifetime, "coordinator": lifetime})
+                     extra={"admission": [*lifetime, "--max-concurrent", "2"], "coordinator": lifetime})
     c.start(timeout=180)
     try:
         yield c
@@ -70,6 +72,38 @@ def test_the_coordinator_applies_its_own_lifetime_to_a_peer_without_deadline(sho
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "coordinator's maximum lifetime" in info.value.details()
     _until(lambda: _stages_hold(short_lived) == [0, 0], what="the stages to release the request")
+
+
+def test_over_the_concurrency_cap_is_resource_exhausted_with_retry_info(short_lived):
+    started = threading.Barrier(3, timeout=60)
+    stop = threading.Event()
+
+    def hold() -> None:
+        with Client(short_lived.target, timeout=60) as client:
+            try:
+                for k, _ in enumerate(client.stream("hold a slot", max_tokens=2000, ignore_eos=True)):
+                    if k == 0:
+                        started.wait()
+                    if stop.is_set():
+                        break
+            except TetherError:
+                pass   # the lifetime may end it first; the slot was held while it mattered
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for t in holders:
+        t.start()
+    try:
+        started.wait()                                      # both slots taken, both mid-generation
+        with Client(short_lived.target, timeout=30) as client:
+            with pytest.raises(TetherError) as info:
+                client.generate("one more", max_tokens=2)
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(30)
+    e = info.value
+    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 2 concurrent" in e.message
+    assert e.retry_after == settings.OVERLOAD_RETRY_AFTER_S    # parsed from the RetryInfo detail on the wire
 
 
 def test_admission_takes_messages_sized_to_its_prompt_cap(short_lived):
