@@ -52,6 +52,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.open_streams = 0
         self.streams_by_peer: Counter[str] = Counter()   # peer address (host) -> Forward streams open
         self.coordinator_instance: str | None = None
+        self.relays: set[_Relay] = set()                  # one per open Forward stream
         self.faults = _StageFaults(faults) if faults is not None and faults.enabled else None
         self.pipeline_epoch: int | None = None
         self.next_address: str | None = None
@@ -153,6 +154,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.open_streams += 1
         self.streams_by_peer[peer] += 1
         relay = _Relay(self, context, asyncio.current_task())
+        self.relays.add(relay)
         tasks = [asyncio.create_task(relay.pump(request_iterator)), asyncio.create_task(relay.watch_idle())]
         try:
             while True:
@@ -172,6 +174,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 del self.streams_by_peer[peer]
             for t in tasks:
                 t.cancel()
+            self.relays.discard(relay)
             await relay.close()
 
     def step(self, frame: stage_pb2.Frame, forget: str | None) -> StepOutcome:
@@ -186,13 +189,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Stats(self, request, context):
         faults = dict(self.faults.injector.counts) if self.faults is not None else {}
         streams = self.open_streams
+        queued = sum(r.out.qsize() for r in self.relays)
 
         def snapshot() -> stage_pb2.StageStats:   # on the step thread: no step mutates what we read
             w = self.worker
             return stage_pb2.StageStats(
                 faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
                 kv_used_tokens=w.pool.used_tokens, kv_capacity_tokens=w.pool.capacity_tokens,
-                stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals))
+                stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
+                replies_queued=queued)
         return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 
     async def Release(self, request, context):
