@@ -32,7 +32,8 @@ Each injected fault is also written to the ``tether.faults`` log with the slots 
 request through the same hook says whether the faulted slot was **caught** (a newer epoch: rebuilt; or the same
 epoch and position again: resent after a sync) or **SLIPPED** through (the same epoch at a later position: the
 coordinator confirmed the faulted frame and appended its token). See `FaultLedger`. A reorder whose held frame
-went out in order after all (its successor was dropped, or it was flushed late) did no harm and is logged so.
+went out in order after all (its successor was dropped, or it was flushed late), and a swap_slots or cross_ids
+between twin slots (equal stamps but for the ids: two identical requests in step) did no harm and are logged so.
 `duplicate` is logged but not followed: its copy is refused by the next hop's sequence check while the
 original goes through, so the request rightly carries on.
 """
@@ -200,8 +201,9 @@ it hit (a rejection cannot become a token; its echo may already carry an upstrea
                 self._n_open -= len(self._open.pop(key))
         return fault
 
-    def harmless(self, fault: Fault) -> None:
-        """A reorder whose held frame went out in order after all: nothing to catch."""
+    def harmless(self, fault: Fault, why: str) -> None:
+        """A fault that turned out to change nothing (a reorder sent in order after all, two twin slots
+        exchanged): nothing to catch."""
         fault.harmless = True
         for slot in fault.slots:
             entries = self._open.get((fault.hook, slot[0]), [])
@@ -211,7 +213,7 @@ it hit (a rejection cannot become a token; its echo may already carry an upstrea
                 self._open[(fault.hook, slot[0])] = kept
             else:
                 self._open.pop((fault.hook, slot[0]), None)
-        log.info("fault %d %s: went out in order after all (harmless)", fault.number, fault.kind)
+        log.info("fault %d %s: harmless (%s)", fault.number, fault.kind, why)
 
     def observe(self, hook: str, stamps, ok=None) -> None:
         """A frame's (reply's) stamps as the hook sees them, before any fault; `ok` per stamp at the reply hook."""
@@ -336,7 +338,7 @@ class FaultInjector:
             self._count("drop")
             self.ledger.record("drop", "outbound", stamps)
             if held.fault is not None:
-                self.ledger.harmless(held.fault)   # the held frame now goes out in its own place
+                self.ledger.harmless(held.fault, "went out in order after all")   # in its own place
             return held.take()
         frame = self._mutate(frame)
         frames = [frame]
@@ -357,7 +359,7 @@ class FaultInjector:
         """The held frame(s), to send now that no successor came in time (they arrive late, not reordered)."""
         held = self._held if held is None else held
         if held.fault is not None:
-            self.ledger.harmless(held.fault)
+            self.ledger.harmless(held.fault, "went out in order after all")
         return held.take()
 
     def _mutate(self, frame: stage_pb2.Frame) -> stage_pb2.Frame:
@@ -373,7 +375,9 @@ class FaultInjector:
         if self._draw("swap_slots") and len(out.slots) >= 2:
             out = _copy(out) if out is frame else out
             i, j = self._rng["swap_slots"].sample(range(len(out.slots)), 2)
-            self.ledger.record("swap_slots", "outbound", [out.slots[i].stamp, out.slots[j].stamp])
+            fault = self.ledger.record("swap_slots", "outbound", [out.slots[i].stamp, out.slots[j].stamp])
+            if _twins(out.slots[i].stamp, out.slots[j].stamp):
+                self.ledger.harmless(fault, _TWINS)
             a = stage_pb2.Stamp()
             a.CopyFrom(out.slots[i].stamp)
             out.slots[i].stamp.CopyFrom(out.slots[j].stamp)
@@ -383,7 +387,9 @@ class FaultInjector:
             out = _copy(out) if out is frame else out
             i, j = self._rng["cross_ids"].sample(range(len(out.slots)), 2)
             si, sj = out.slots[i].stamp, out.slots[j].stamp
-            self.ledger.record("cross_ids", "outbound", [si, sj])
+            fault = self.ledger.record("cross_ids", "outbound", [si, sj])
+            if _twins(si, sj):
+                self.ledger.harmless(fault, _TWINS)
             si.request_id, sj.request_id = sj.request_id, si.request_id
             self._count("cross_ids")
         return out
@@ -412,6 +418,18 @@ class FaultInjector:
                 self.ledger.record("corrupt", "reply", [res.stamp])
                 self._count("corrupt")
         return out
+
+
+_TWINS = "twin slots: the same context, epoch and position; only their ids differ"
+
+
+def _twins(a: stage_pb2.Stamp, b: stage_pb2.Stamp) -> bool:
+    """Two stamps equal but for their request ids: two requests with the same prompt, sampling and tokens so
+    far, at the same epoch and position. Their rows are the same bits (batch invariance), so exchanging their
+    stamps or ids in a frame changes nothing a stage computes (a reply still binds the id in its token hash)."""
+    a, b = _copy(a), _copy(b)
+    a.request_id = b.request_id = ""
+    return a == b
 
 
 def _copy(msg):

@@ -403,3 +403,15 @@ def test_a_reply_fault_follows_only_results_that_could_become_tokens():
     r.results[1].ok = False                       # a rejection: whatever its id says, it is rebuilt
     inj.reply(r)
     assert [s for _, s in inj.ledger.open_slots] == [("req-0", 1, 3)] and inj.ledger.recorded == 1
+
+
+@pytest.mark.parametrize("kind", ["swap_slots", "cross_ids"])
+def test_exchanging_twin_slots_is_logged_harmless(kind):
+    """Two identical requests in step (same context, epoch, position): exchanging them changes nothing."""
+    twins = frame_of(stamp("a", [7], [1, 2]), stamp("b", [7], [1, 2]))
+    inj = only(kind)
+    inj.outbound(twins)
+    assert injected(inj) == {kind: 1} and inj.ledger.recorded == 1 and not inj.ledger.open_slots
+    inj = only(kind)
+    inj.outbound(frame_of(stamp("a", [7], [1, 2]), stamp("b", [8], [1, 2])))   # one token apart: followed
+    assert len(inj.ledger.open_slots) == 2
