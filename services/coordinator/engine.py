@@ -112,7 +112,10 @@ class Engine:
         req = self.sched.running.get(request_id) or next((r for r in self.sched.waiting if r.id == request_id), None)
         if req is None or (only is not None and req is not only):
             return False
+        sink = self.sinks.get(request_id)
         self._finish(req, None)
+        if sink is not None:   # a Submit still streaming (a Cancel RPC, not its own client leaving) ends now
+            sink.put_nowait(Failure(grpc.StatusCode.CANCELLED, f"request {request_id} was cancelled"))
         return True
 
     def active(self) -> list[Request]:

@@ -68,3 +68,26 @@ def test_mis_assembled_pipeline_is_refused_with_reason(tmp_path, specs, words):
             assert w in status, status
     finally:
         c.stop()
+
+
+def test_a_refused_coordinator_keeps_retrying_and_serves_once_the_route_is_fixed(tmp_path):
+    c = _start(tmp_path, [("tiny", "0:2"), ("small", "4:8")])   # stage 1 loaded another model
+    try:
+        assert "model" in _refusal(c)
+        stage1 = c.service("stage1")
+        c.kill("stage1")
+        stage1.argv[stage1.argv.index("small")] = "tiny"        # the operator fixes it: same address
+        stage1.argv[stage1.argv.index("4:8")] = "2:4"
+        c.restart("stage1")
+        deadline = time.monotonic() + 120
+        with grpc.insecure_channel(c.service("coordinator").address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            while not stub.Stats(coordinator_pb2.StatsRequest(), timeout=5).serving:   # no restart needed
+                assert time.monotonic() < deadline, c.service("coordinator").log_tail()
+                time.sleep(0.2)
+            events = list(stub.Submit(coordinator_pb2.SubmitRequest(
+                request_id="after-fix", prompt_token_ids=[72, 105],
+                sampling=common_pb2.SamplingParams(max_tokens=3)), timeout=60))
+        assert len(events) == 3 and events[-1].finish_reason
+    finally:
+        c.stop()

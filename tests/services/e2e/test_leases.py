@@ -7,6 +7,7 @@ import threading
 
 import grpc
 
+from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, TetherError
 
@@ -45,6 +46,7 @@ def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
         cluster.restart("coordinator")                   # a new coordinator: new handshake, serves again
         cluster.wait_ready(120)
         with Client(cluster.target, timeout=60) as client:
-            assert len(client.generate("hello again", max_tokens=4).token_ids) >= 1
+            got = client.generate("hello again", max_tokens=4)
+        assert got.token_ids == reference.generate("hello again", max_tokens=4).token_ids
     finally:
         cluster.stop()
