@@ -10,8 +10,13 @@ per-level budget, the same requests for every run). Then the same again with the
   kills its process, and its counter with it, so crashes are counted as the stage exits the bench saw (it
   restarts a crashed stage, as a container's restart policy would);
 - detected: every rejection the stages and the coordinator count (`Stats.rejections`, all reasons). A slot a
-  stage rejects is counted there and again by the coordinator that rebuilds it, so this counts detections
-  at every checkpoint, not distinct faults; the report keeps both sides by reason;
+  stage rejects is counted there and again by the coordinator that rebuilds it, and a lost frame also fails
+  the next one on its hop, so this counts detections at every checkpoint, not distinct faults; the report
+  keeps both sides by reason;
+- caught / slipped (distinct faults, from the injectors' ledger in the services' logs, `read_ledger`): each
+  fault that could change an answer, followed to its request's next frame: caught (rebuilt or resent) or
+  slipped (the coordinator went on past the faulted slot); open when the request's next frame never came
+  (it ended: failed, or finished on a faulted last frame);
 - recovered: requests that finished after at least one rebuild or resume (coordinator `Stats.recovered`);
 - failed explicitly: requests the client saw fail, by gRPC status;
 - wrong answers: completed requests the fidelity audit flags as MISMATCH. A wrong answer counts once,
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import threading
 import time
 from collections import Counter
@@ -40,7 +46,7 @@ import grpc
 from tether import reference
 from tether.bench import audit
 from tether.bench.records import RequestRecord
-from tether.faults import KINDS, FaultConfig
+from tether.faults import FOLLOWED, KINDS, FaultConfig
 
 # Per-frame rates when the plan names a kind without one: each kind fires several times in a run of a few
 # dozen requests, yet most requests stay within their rebuild budget (--max-rebuilds, 5) with the checks on.
@@ -160,6 +166,56 @@ def stats_delta(before: dict, after: dict) -> dict:
                 stages=[_minus(a, b) for a, b in zip(after["stages"], before["stages"])])
 
 
+# --- the injectors' ledger --------------------------------------------------------------------------------------
+
+_RECORD = re.compile(r"fault (\d+) (\w+) at (\w+): ?(.*)$")
+_OUTCOME = re.compile(r"fault (\d+) (\w+): (\S+)@(\d+):(\d+) (caught|SLIPPED THROUGH) \(next seen (\S+)\)")
+_HARMLESS = re.compile(r"fault (\d+) (\w+): harmless")
+
+
+def _slot(text: str) -> tuple[str, int, int]:
+    rid, _, rest = text.rpartition("@")
+    epoch, _, position = rest.partition(":")
+    return rid, int(epoch), int(position)
+
+
+def read_ledger(log_dir: Path) -> dict[tuple[str, int, int], dict]:
+    """Every fault the injectors logged (tether/faults.py `FaultLedger`) in the service logs under `log_dir`:
+    (service, life, number) -> {kind, hook, slots: {(request_id, epoch, position): "open" | "caught" |
+    "slipped"}, harmless}. `life` counts the service's restarts (a crashed stage's injector starts again at 1)."""
+    faults: dict[tuple[str, int, int], dict] = {}
+    for path in sorted(Path(log_dir).glob("*.log")):
+        life, seen = 0, set()
+        for line in path.read_text(errors="replace").splitlines():
+            if m := _RECORD.search(line):
+                if int(m[1]) in seen:
+                    life, seen = life + 1, set()
+                seen.add(int(m[1]))
+                faults[(path.stem, life, int(m[1]))] = dict(
+                    kind=m[2], hook=m[3], slots={_slot(x): "open" for x in m[4].split()}, harmless=False)
+            elif (m := _OUTCOME.search(line)) and (path.stem, life, int(m[1])) in faults:
+                faults[(path.stem, life, int(m[1]))]["slots"][(m[3], int(m[4]), int(m[5]))] = (
+                    "caught" if m[6] == "caught" else "slipped")
+            elif (m := _HARMLESS.search(line)) and (path.stem, life, int(m[1])) in faults:
+                faults[(path.stem, life, int(m[1]))]["harmless"] = True
+    return faults
+
+
+def ledger_counts(faults: dict) -> dict[str, dict[str, int]]:
+    """Distinct faults by kind: logged; followed (could change an answer); caught (every slot acted on);
+    slipped (a slot the coordinator went on with); open (neither, the request's next frame never came)."""
+    out: dict[str, dict[str, int]] = {}
+    for f in faults.values():
+        c = out.setdefault(f["kind"], dict(logged=0, followed=0, caught=0, slipped=0, open=0))
+        c["logged"] += 1
+        if f["kind"] not in FOLLOWED or f["harmless"]:
+            continue
+        c["followed"] += 1
+        outcomes = set(f["slots"].values())
+        c["slipped" if "slipped" in outcomes else "open" if "open" in outcomes else "caught"] += 1
+    return dict(sorted(out.items()))
+
+
 # --- one cell, the table ---------------------------------------------------------------------------------------
 
 def _add(counters: Iterable[dict]) -> dict[str, int]:
@@ -169,8 +225,9 @@ def _add(counters: Iterable[dict]) -> dict[str, int]:
     return dict(sorted((k, v) for k, v in total.items() if v))
 
 
-def chaos_cell(stats: dict, records: list[RequestRecord], crashes: int = 0) -> dict:
-    """One run's figures from its Stats (`read_stats` shape) and its audited requests (verdicts set)."""
+def chaos_cell(stats: dict, records: list[RequestRecord], crashes: int = 0, ledger: dict | None = None) -> dict:
+    """One run's figures from its Stats (`read_stats` shape) and its audited requests (verdicts set); with the
+    run's `read_ledger`, the distinct faults caught and slipped by kind."""
     coord, stages = stats["coordinator"], stats["stages"]
     injected = _add([coord.get("faults_injected", {}), *(s.get("faults_injected", {}) for s in stages),
                      {"crash": crashes}])
@@ -189,7 +246,8 @@ def chaos_cell(stats: dict, records: list[RequestRecord], crashes: int = 0) -> d
                 wrong_answers=sum(r.verdict == reference.MISMATCH for r in done),
                 exact=sum(r.verdict == reference.EXACT for r in done),
                 within_margin=sum(r.verdict == reference.WITHIN_MARGIN for r in done),
-                not_audited=sum(not r.verdict for r in done))
+                not_audited=sum(not r.verdict for r in done),
+                **({} if ledger is None else dict(faults_by_kind=ledger_counts(ledger))))
 
 
 def chaos_table(cells: Iterable[tuple[str, str, dict]]) -> list[dict]:
@@ -309,7 +367,7 @@ def run_spawned(bench, plan: ChaosPlan, log_root: Path) -> dict:
             with baselines.torch_threads(AUDIT_THREADS):   # the cluster is gone: the audit has the machine
                 summary = audit.audit_records(bench.lm, run.records)
             bench.records += run.records
-            cell = chaos_cell(stats, run.records, supervisor.crashes)
+            cell = chaos_cell(stats, run.records, supervisor.crashes, read_ledger(log_dir))
             cell.update(wall_s=run.wall_s, spec=plan.spec(kind), stage_exits=supervisor.exits,
                         failed_restarts=supervisor.failed_restarts, restart_errors=supervisor.errors,
                         mismatches=summary.mismatches[:3], stats=stats)
