@@ -175,10 +175,11 @@ class FaultLedger:
     faulted request through the same hook tells which happened. `observe` is given every frame (reply) the hook
     sees *before* any fault is drawn for it; a frame of an older epoch or position (a late or reordered copy) says
     nothing and is skipped. At the reply hook a same-position result counts as a resend only if it is ok (a
-    stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp), and a reply fault records only the ok results
-it hit (a rejection cannot become a token; its echo may already carry an upstream fault's ids). A request that ends (finished, failed)
-    right after the fault leaves the slot open: the caller decides what that means from how the request ended.
-    Open slots are capped (oldest forgotten) so that an injector left on cannot grow without bound."""
+    stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp), and a reply fault records only the ok
+    results it hit (a rejection cannot become a token; its echo may already carry an upstream fault's ids). A
+    request that ends (finished, failed) right after the fault leaves the slot open: the caller decides what
+    that means from how the request ended. Open slots are capped (oldest forgotten) so that an injector left on
+    cannot grow without bound."""
 
     MAX_OPEN = 4096
 

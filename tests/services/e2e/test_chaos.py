@@ -162,7 +162,7 @@ def _assert_every_harmful_fault_caught(o: Outcome) -> None:
     # a completed request that a caught fault hit was rebuilt or resumed: the coordinator counts it recovered
     hit = {slot[0] for f in o.ledger.harmful() for slot, fate in f["slots"].items() if fate == "caught"}
     assert len(hit & o.completed_ids) <= o.coordinator.recovered <= len(o.completed_ids), o.summary()
-    if o.completed_ids and o.ledger.faults:   # the stamps' ids are the receipts' internal ids: the match means something
+    if o.completed_ids and o.ledger.faults:   # stamps carry the receipts' internal ids: the match means something
         assert o.ledger.slot_ids() & o.completed_ids, (o.ledger.slot_ids(), o.completed_ids)
 
 
