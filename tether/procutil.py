@@ -18,11 +18,16 @@ _PR_SET_PDEATHSIG = 1
 def follow_parent() -> None:
     """If a launcher asked for it, die with it; if it is already gone, exit now."""
     parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
+    if parent:
+        die_with(int(parent), "launcher exited before this service started")
+
+
+def die_with(parent: int, why: str = "parent exited before this process started") -> None:
+    """Ask for SIGTERM when `parent` (which must be our parent, and must have spawned us from a thread that
+    lives as long as it does) dies; exit now if it is already gone."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         return   # not Linux: the launcher's stop() still cleans up on a normal exit
-    if os.getppid() != int(parent):   # the parent died before the request took effect
-        raise SystemExit("launcher exited before this service started")
+    if os.getppid() != parent:   # the parent died before the request took effect
+        raise SystemExit(why)

@@ -32,7 +32,9 @@ READINESS_POLL_S = 1.0         # how often admission asks its coordinator whethe
 # a wedged request ends with DEADLINE_EXCEEDED instead of waiting forever.
 MAX_REQUEST_LIFETIME_S = 600.0
 TAG_BUDGET_S = 2.0             # tokenizing + tagging one prompt, off the event loop; past it: INVALID_ARGUMENT
-TAG_WORKERS = 2                # threads that tokenize and tag (the work is linear in the prompt, capped in bytes)
+TAG_WORKERS = 1                # processes that tokenize and tag large requests: at most one core of CPU goes to
+                               # the front door, the rest to serving (services/admission/front_work.py)
+TAG_INLINE_BYTES = 1024        # requests up to this size are tagged at once on the loop (< 1 ms): no queue
 
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch

@@ -1,3 +1,4 @@
 from services.admission.main import main
 
-main()
+if __name__ == "__main__":   # a spawned worker process imports this module too: no second service
+    main()

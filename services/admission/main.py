@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
+from services.admission.front_work import FrontWork, model_limits
 from services.admission.server import AdmissionServicer, track_readiness
 from services.admission.validate import ModelLimits
 from tether import settings, supervise
 from tether.procutil import follow_parent
 from tether.grpcutil import Server, channel, configure_logging
-from tether.model.chat_template import load_chat_template
-from tether.model.config import ModelConfig
-from tether.model.loader import load_model_tokenizer, model_fingerprint, resolve_model
+from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
 SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "since admission tokenizes (default: %(default)s)")
     p.add_argument("--max-concurrent", type=_positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
                    help="requests in flight beyond which admission answers RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--tag-workers", type=int, default=settings.TAG_WORKERS,
+                   help="worker processes that tokenize and tag large requests (0: all inline on the event "
+                        "loop, for debugging) (default: %(default)s)")
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the call ends with "
                         "DEADLINE_EXCEEDED (default: %(default)s)")
@@ -48,23 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model_limits(model: str) -> tuple[ModelLimits, str]:
-    """The tokenizer, limits and chat template of `model`, and its fingerprint (which the coordinator must report
-    too). A template that does not compile stops admission here, not on the first conversation."""
+def load_model_limits(model: str) -> tuple[Path, ModelLimits, str]:
+    """The folder, tokenizer, limits and chat template of `model`, and its fingerprint (which the coordinator
+    must report too). A template that does not compile stops admission here, not on the first conversation."""
     folder = resolve_model(model)
-    cfg = ModelConfig.from_folder(folder)
-    limits = ModelLimits(load_model_tokenizer(folder), cfg.max_position_embeddings, cfg.vocab_size,
-                         load_chat_template(folder))
-    return limits, model_fingerprint(folder)
+    return folder, model_limits(folder), model_fingerprint(folder)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    limits, fingerprint = load_model_limits(args.model)
+    folder, limits, fingerprint = load_model_limits(args.model)
+    work = FrontWork(folder, limits, args.tag_workers)
+    work.warm_up()   # before listening, on this thread (see warm_up): the first large request pays no start-up
     coordinator = channel(args.coordinator, settings.COORDINATOR_MAX_MESSAGE_BYTES)
     server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
                     max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
     servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent,
-                                 args.max_request_seconds)
+                                 args.max_request_seconds, work=work)
     admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
     # NOT_SERVING until the readiness loop has seen the coordinator serve our model.
     await server.set_serving(False)
@@ -81,6 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.wait_for_signal()
     finally:
         readiness.cancel()
+        work.close()
         await coordinator.close()
 
 

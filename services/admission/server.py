@@ -1,8 +1,8 @@
 """The Admission service: validate, tag, limit, forward to the coordinator, stream back with a receipt.
 
 Order of work per request, cheapest refusal first: readiness (UNAVAILABLE while the coordinator does not
-serve our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging off
-the event loop within a time budget (INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS while the same
+serve our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging (large
+requests in worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS while the same
 tenant has it in flight), and only then the coordinator. Every request gets an internal id minted here;
 the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
 """
@@ -14,15 +14,16 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import aclosing
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from services.admission.tagger import Tags, classify_size, tag, tag_conversation
-from services.admission.validate import ModelLimits, ValidRequest, validate
+from services.admission.front_work import FrontWork, admit
+from services.admission.tagger import Tags
+from services.admission.validate import ModelLimits, ValidRequest
 from tether import settings
 from tether.grpcutil import Server
 from tether.protocol.hashing import messages_digest, prompt_digest
@@ -79,7 +80,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     def __init__(self, coordinator: grpc.aio.Channel, coordinator_target: str, model: ModelLimits,
                  model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
-                 tag_budget_s: float = settings.TAG_BUDGET_S) -> None:
+                 tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None) -> None:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
         self.coordinator_target = coordinator_target
         self.model = model
@@ -87,8 +88,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         self.limit = ConcurrencyLimit(max_concurrent)
         self.max_lifetime_s = max_lifetime_s
         self.tag_budget_s = tag_budget_s
-        # Tokenizing and tagging are CPU work: never on the event loop, which must keep streaming tokens.
-        self.tag_pool = ThreadPoolExecutor(max_workers=settings.TAG_WORKERS, thread_name_prefix="admission-tag")
+        # Tokenizing and tagging large requests are CPU work: in worker processes, never on the event loop,
+        # which must keep streaming tokens (front_work.py). Without a pool (tests) everything runs inline.
+        self.work = work
         self.ready = False                               # set by track_readiness
         self.not_ready_reason = "admission has not reached its coordinator yet"
         self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
@@ -161,37 +163,26 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         if not self.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
 
-    def _validate_and_tag(self, request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
-        """On a tag-pool thread: render a conversation, tokenize, validate and tag (linear in the prompt or the
-        messages, both capped in bytes; the template is the operator's, rendered in a sandbox)."""
-        valid = validate(request, self.model)
-        # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
-        tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
-        try:
-            sizes = (len(valid.prompt_token_ids), valid.sampling.max_tokens)
-            labels = dict(tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
-            if valid.messages:   # its structure is given by the messages: tag that, not the rendered text
-                tags = tag_conversation(valid.messages, *sizes, **labels)
-            else:
-                tags = tag(valid.prompt, *sizes, **labels)
-        except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
-            log.exception("tagger failed; serving the request with empty tags")
-            tags = untagged(valid)
-        return valid, tags
-
     async def _admit(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                      take_label: bool = True) -> Admitted:
         """Tokenize, validate and tag; mint the internal id; take the caller's label (released by `_done`)."""
-        loop = asyncio.get_running_loop()
         try:
-            valid, tags = await asyncio.wait_for(loop.run_in_executor(self.tag_pool, self._validate_and_tag,
-                                                                      request), self.tag_budget_s)
+            if self.work is None or self.work.is_inline(request):
+                valid, tags = admit(request, self.model)   # small: cheaper now than shipped (< 1 ms)
+            else:
+                valid, tags = await self.work.run(request, self.tag_budget_s)
         except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the prompt took longer than {self.tag_budget_s:g} s to tokenize and tag; "
                                 f"send a shorter prompt")
+        except BrokenProcessPool:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "admission's tokenizer worker died while handling "
+                                                             "this request; it was restarted: retry")
+        except Exception as e:   # noqa: BLE001 - a bug must reach the caller as a status that says so
+            log.exception("admitting a request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"admission failed to process the request: {e!r}")
         a = Admitted(uuid.uuid4().hex, valid, tags)
         if take_label and valid.request_id:
             key = (valid.tenant, valid.request_id)
@@ -273,14 +264,6 @@ def request_digest(request: admission_pb2.GenerateRequest) -> int:
     if request.messages:
         return messages_digest((m.role, m.content) for m in request.messages)
     return prompt_digest(request.prompt)
-
-
-def untagged(valid: ValidRequest) -> Tags:
-    """Tags with every intent dimension left empty: what a request gets if the tagger itself fails."""
-    budget = valid.sampling.max_tokens
-    return Tags(input_tokens=len(valid.prompt_token_ids), language="", length_limit=0, length_unit="",
-                output_budget=budget, task="", size_class=classify_size(budget), domain="", audience="",
-                priority=valid.priority, tenant=valid.tenant, turns=1, prefix_key=0)
 
 
 async def track_readiness(server: Server, servicer: AdmissionServicer, coordinator: grpc.aio.Channel,

@@ -1,0 +1,138 @@
+"""The CPU work of admitting a request: render a conversation, tokenize, validate and tag.
+
+Where it runs matters more than what it costs. Python's `re` holds the GIL for a whole scan, so tagging
+prompts at the cap on threads starved admission's event loop: with 8 clients sending 4 KB prompts, a small
+request waited 2.2x its idle latency (bench/front_door.py). Large requests therefore go to worker processes
+that each hold the model's tokenizer and chat template; a small one (under TAG_INLINE_BYTES) is cheaper to do
+at once than to ship, and never queues behind the large ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from services.admission.tagger import Tags, classify_size, tag, tag_conversation
+from services.admission.validate import ModelLimits, ValidRequest, validate
+from tether import settings
+from tether.model.chat_template import load_chat_template
+from tether.model.config import ModelConfig
+from tether.model.tokenizer import load_tokenizer
+from tether.procutil import die_with
+from tether.v1 import admission_pb2
+
+log = logging.getLogger(__name__)
+
+_worker_limits: ModelLimits | None = None   # set in each worker process by `_init_worker`
+
+
+def model_limits(folder: str | Path) -> ModelLimits:
+    """Tokenizer, context, vocabulary and chat template of the model in `folder` (no torch needed)."""
+    cfg = ModelConfig.from_folder(folder)
+    return ModelLimits(load_tokenizer(folder, cfg.eos_token_ids, cfg.bos_token_id), cfg.max_position_embeddings,
+                       cfg.vocab_size, load_chat_template(folder))
+
+
+def request_bytes(request: admission_pb2.GenerateRequest) -> int:
+    return len(request.prompt) + sum(len(m.content) for m in request.messages)
+
+
+def admit(request: admission_pb2.GenerateRequest, limits: ModelLimits) -> tuple[ValidRequest, Tags]:
+    """Validate and tag one request (raises ValidationError / ConversationError, both ValueErrors)."""
+    valid = validate(request, limits)
+    # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
+    tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
+    try:
+        sizes = (len(valid.prompt_token_ids), valid.sampling.max_tokens)
+        labels = dict(tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
+        if valid.messages:   # its structure is given by the messages: tag that, not the rendered text
+            tags = tag_conversation(valid.messages, *sizes, **labels)
+        else:
+            tags = tag(valid.prompt, *sizes, **labels)
+    except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
+        log.exception("tagger failed; serving the request with empty tags")
+        tags = untagged(valid)
+    return valid, tags
+
+
+def untagged(valid: ValidRequest) -> Tags:
+    """Tags with every intent dimension left empty: what a request gets if the tagger itself fails."""
+    budget = valid.sampling.max_tokens
+    return Tags(input_tokens=len(valid.prompt_token_ids), language="", length_limit=0, length_unit="",
+                output_budget=budget, task="", size_class=classify_size(budget), domain="", audience="",
+                priority=valid.priority, tenant=valid.tenant, turns=1, prefix_key=0)
+
+
+def _init_worker(folder: str, parent: int) -> None:
+    global _worker_limits
+    die_with(parent, "admission exited before its worker started")   # a killed admission leaves no workers
+    _worker_limits = model_limits(folder)
+
+
+def _ready() -> bool:
+    return _worker_limits is not None
+
+
+def _admit_in_worker(request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
+    assert _worker_limits is not None, "worker not initialised"
+    return admit(request, _worker_limits)
+
+
+class FrontWork:
+    """Runs `admit` inline for small requests, in a process pool for large ones."""
+
+    def __init__(self, folder: str | Path, limits: ModelLimits, workers: int = settings.TAG_WORKERS,
+                 inline_bytes: int = settings.TAG_INLINE_BYTES) -> None:
+        self.limits = limits
+        self.inline_bytes = inline_bytes
+        self.folder, self.workers = str(folder), workers
+        self.pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor | None:
+        if not self.workers:
+            return None
+        # spawn, not fork: admission is a threaded gRPC process, and a forked copy of its locks can deadlock.
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(self.folder, os.getpid()))
+
+    def restart(self, broken: ProcessPoolExecutor) -> None:
+        """A worker of `broken` died (that pool is unusable for good): start a new pool, once, from the event
+        loop's thread (the new workers' parent-death signal follows it)."""
+        if self.pool is not broken:
+            return   # another request already replaced it
+        self.pool = self._new_pool()
+        broken.shutdown(wait=False, cancel_futures=True)
+        log.error("a front-door worker process died; started a new pool")
+
+    def warm_up(self, timeout_s: float = 120.0) -> None:
+        """Start the worker processes now (spawning and loading the tokenizer takes seconds): the first large
+        request must not pay it against its time budget. Call it from the main thread: the workers' parent-
+        death signal follows the thread that spawned them."""
+        if self.pool is not None:
+            for f in [self.pool.submit(_ready) for _ in range(self.workers)]:
+                assert f.result(timeout=timeout_s)
+
+    def is_inline(self, request: admission_pb2.GenerateRequest) -> bool:
+        return self.pool is None or request_bytes(request) <= self.inline_bytes
+
+    def inline(self, request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
+        return admit(request, self.limits)
+
+    async def run(self, request: admission_pb2.GenerateRequest, timeout_s: float) -> tuple[ValidRequest, Tags]:
+        """`admit` in a worker process within `timeout_s` (TimeoutError past it); a dead worker restarts the
+        pool and raises BrokenProcessPool for this request."""
+        pool = self.pool
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(pool.submit(_admit_in_worker, request)), timeout_s)
+        except BrokenProcessPool:
+            self.restart(pool)
+            raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
