@@ -117,9 +117,10 @@ class Scheduler:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
         The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
-        running requests go first, then waiting ones by priority and arrival. At most `max_tokens` rows go
-        in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
-        invisible in the output), so long prompts never stall the decodes batched with them.
+        running decodes go first, then waiting requests by priority and arrival, then the next chunks of
+        running prefills. At most `max_tokens` rows go in one frame: a prompt that does not fit is prefilled
+        in chunks (batch invariance makes chunking invisible in the output), so long prompts never stall the
+        decodes batched with them, nor a short request arriving behind them.
         """
         if not self.has_room():
             return []
@@ -127,13 +128,15 @@ class Scheduler:
         share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
         batch: list[tuple[Request, int]] = []
         tokens = 0
-        for req in self.running.values():
+        ready = [r for r in self.running.values() if not r.in_flight and not r.done]
+        # Decodes first (one row each), then new requests, then the rest of running prefills: a long prompt
+        # being prefilled in chunks never holds the frame's rows while a short request waits to start.
+        for req in [r for r in ready if r.pending <= 1]:
             if len(batch) >= share or tokens >= self.max_tokens:
                 break
-            if not req.in_flight and not req.done:
-                n = min(req.pending, self.max_tokens - tokens)
-                batch.append((req, n))
-                tokens += n
+            n = min(req.pending, self.max_tokens - tokens)
+            batch.append((req, n))
+            tokens += n
         if self.waiting:
             ordered = sorted(self.waiting, key=lambda r: PRIORITY_ORDER.get(r.priority, 1))  # stable: FIFO within
             for req in ordered:
@@ -144,6 +147,12 @@ class Scheduler:
                 self.running[req.id] = req
                 batch.append((req, n))
                 tokens += n
+        for req in [r for r in ready if r.pending > 1]:
+            if len(batch) >= share or tokens >= self.max_tokens:
+                break
+            n = min(req.pending, self.max_tokens - tokens)
+            batch.append((req, n))
+            tokens += n
         for req, n in batch:
             req.in_flight = True
             req.sent = req.stamp(n)

@@ -169,11 +169,12 @@ def test_max_tokens_budget_chunks_the_prompt_that_does_not_fit():
     assert ids(b) == ["r0", "r1", "r2"] and [len(r.sent.token_ids) for r in b] == [10, 10, 5]
     assert [r.samples for r in b] == [True, True, False]       # r2's first chunk samples nothing
     complete(sched, b)
-    # two decodes (1 row each), the rest of r2's prompt (5), then r3 (10) and a chunk of r4 (25 - 17 = 8)
+    # two decodes (1 row each), then the waiting r3 and r4 (10 each), then a chunk of r2's rest with what is
+    # left (25 - 22 = 3): new requests are not held back by a prefill already under way
     b = sched.next_batch()
-    assert ids(b) == ["r0", "r1", "r2", "r3", "r4"]
-    assert [len(r.sent.token_ids) for r in b] == [1, 1, 5, 10, 8]
-    assert b[2].sent.position == 5 and b[2].samples and not b[4].samples
+    assert ids(b) == ["r0", "r1", "r3", "r4", "r2"]
+    assert [len(r.sent.token_ids) for r in b] == [1, 1, 10, 10, 3]
+    assert b[4].sent.position == 5 and not b[4].samples and b[3].samples
 
 
 def test_an_oversized_prompt_is_prefilled_in_chunks():
@@ -189,7 +190,9 @@ def test_an_oversized_prompt_is_prefilled_in_chunks():
         complete(sched, b)
         if done:
             break
-    assert chunks == [[("big", 0, 8, False)], [("big", 8, 8, False)], [("big", 16, 4, True), ("small", 0, 2, True)]]
+    # the small request arriving behind it starts in the second frame, not after the whole prefill
+    assert chunks == [[("big", 0, 8, False)], [("small", 0, 2, True), ("big", 8, 6, False)],
+                      [("small", 2, 1, True), ("big", 14, 6, True)]]
     big = sched.running["big"]
     assert big.fed == 20 and big.fed_hash.value == context_hash(SEED, big.seq.prompt_ids)
 
