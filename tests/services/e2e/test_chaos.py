@@ -36,6 +36,7 @@ CASES = [dict(prompt=p, max_tokens=mt, **extra) for p, mt, extra in [
     ("你好", 30, {}),
 ]] * 2
 
+
 @dataclass
 class Ledger:
     """The injectors' ledger (tether/faults.py) from every service log: each fault, its slots and their fate."""
