@@ -271,7 +271,7 @@ def test_with_stamp_checks_off_the_same_faults_deliver_wrong_answers(tmp_path):
     assert o.ledger.slipped, "with the checks off, faulted slots must be seen going through"
 
 
-UNCHECKED_MIN_WRONG = 8   # of 12, as docs/PROTOCOL.md "Fault injection" states (measured 11 and 12)
+UNCHECKED_MIN_WRONG = 8   # of 12, as docs/PROTOCOL.md "Fault injection" states (measured 10, 11, 12)
 
 
 def test_a_crashing_stage_is_restarted_and_no_wrong_token_is_delivered(tmp_path):
