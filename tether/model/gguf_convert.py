@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from tether.model.tokenizer import _bytes_to_unicode
+
+if TYPE_CHECKING:   # imported where used: `gguf` is only needed when a conversion runs
+    from gguf import GGUFReader
 
 # Bump when the output of the conversion changes, so cached folders are regenerated.
 CONVERTER_VERSION = 1
@@ -40,7 +44,7 @@ _SPLITS = {
 _CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, <|endoftext|>, ...)
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: "GGUFReader", key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -55,7 +59,7 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_config(reader) -> dict:
+def hf_config(reader: "GGUFReader") -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"only llama-architecture GGUF files are converted; this one is {arch!r}")
@@ -84,7 +88,7 @@ def hf_config(reader) -> dict:
     }
 
 
-def _eos_ids(reader) -> list[int] | int:
+def _eos_ids(reader: "GGUFReader") -> list[int] | int:
     """The file's EOS, plus <|endoftext|> when the vocabulary has it: an instruct model ends a turn with
     its EOS (<|im_end|>), but a raw completion ends with <|endoftext|>, which would otherwise run on."""
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
@@ -101,7 +105,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"{_TOP_NAMES[base]}.{suffix}"
 
 
-def hf_weights(reader, cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hf_weights(reader: "GGUFReader", cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
@@ -118,7 +122,7 @@ def hf_weights(reader, cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]
     return out
 
 
-def hf_tokenizer(reader) -> tuple[HFTokenizer, list[str]]:
+def hf_tokenizer(reader: "GGUFReader") -> tuple[HFTokenizer, list[str]]:
     """The byte-level BPE the file describes; returns it and its control tokens' spellings."""
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
