@@ -164,6 +164,7 @@ class Fault:
     slots: tuple[Slot, ...]
     outcomes: dict[Slot, str] = field(default_factory=dict)     # slot -> "caught" | "slipped"
     harmless: bool = False                                      # a reorder that went out in order after all
+    hashes: dict[Slot, tuple[int, int]] = field(default_factory=dict)   # slot -> (parent_hash, context_hash)
 
 
 class FaultLedger:
@@ -174,7 +175,9 @@ class FaultLedger:
     rebuild (next epoch, from position 0) or a resend of the same position after a sync. So the next frame of a
     faulted request through the same hook tells which happened. `observe` is given every frame (reply) the hook
     sees *before* any fault is drawn for it; a frame of an older epoch or position (a late or reordered copy) says
-    nothing and is skipped. At the reply hook a same-position result counts as a resend only if it is ok (a
+    nothing and is skipped, and so does one under the request's id that is not its own chain (ids crossed
+    upstream, on their way to being refused): a resend must have the faulted stamp's parent hash, and only the
+    continuation (parent hash = the faulted stamp's context hash) says the faulted frame was confirmed. At the reply hook a same-position result counts as a resend only if it is ok (a
     stage's BAD_SEQUENCE answer to a duplicate echoes the same stamp), and a reply fault records only the ok
     results it hit (a rejection cannot become a token; its echo may already carry an upstream fault's ids). A
     request that ends (finished, failed) right after the fault leaves the slot open: the caller decides what
@@ -191,7 +194,8 @@ class FaultLedger:
 
     def record(self, kind: str, hook: str, stamps) -> Fault:
         self.recorded += 1
-        fault = Fault(self.recorded, kind, hook, tuple(_slot(s) for s in stamps))
+        fault = Fault(self.recorded, kind, hook, tuple(_slot(s) for s in stamps),
+                      hashes={_slot(s): (s.parent_hash, s.context_hash) for s in stamps})
         log.info("fault %d %s at %s: %s", fault.number, kind, hook, " ".join(_fmt(x) for x in fault.slots))
         if kind in FOLLOWED:
             for slot in fault.slots:
@@ -227,11 +231,12 @@ class FaultLedger:
             kept = []
             for fault, slot in entries:
                 _, epoch, position = slot
+                parent, context = fault.hashes[slot]
                 if stamp.epoch > epoch or (stamp.epoch == epoch and stamp.position == position
-                                           and (ok is None or ok[i])):
+                                           and stamp.parent_hash == parent and (ok is None or ok[i])):
                     outcome = "caught"
-                elif stamp.epoch == epoch and stamp.position > position:
-                    outcome = "slipped"
+                elif stamp.epoch == epoch and stamp.position > position and stamp.parent_hash == context:
+                    outcome = "slipped"   # the very continuation of the faulted frame: it was confirmed
                 else:
                     kept.append((fault, slot))
                     continue

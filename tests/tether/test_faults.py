@@ -374,7 +374,12 @@ def test_the_injector_records_the_slots_each_fault_hit():
     rid = inj.forget(decode)
     (fault, slot), = inj.ledger.open_slots
     assert fault.kind == "forget_kv" and fault.hook == "arrival" and slot == (rid, 1, 2)
-    inj.forget(frame_of(st(rid, 1, 3)))          # the coordinator went on: the stage's loss was not noticed
+    hit = next(sl.stamp for sl in decode.slots if sl.stamp.request_id == rid)
+    foreign = stage_pb2.Stamp(request_id=rid, epoch=1, position=5, parent_hash=hit.context_hash + 1)
+    inj.forget(frame_of(foreign))                # another chain under this id (crossed upstream): says nothing
+    assert inj.ledger.open_slots and not inj.ledger.outcomes
+    follow = stage_pb2.Stamp(request_id=rid, epoch=1, position=3, parent_hash=hit.context_hash)
+    inj.forget(frame_of(follow))                 # the coordinator went on: the stage's loss was not noticed
     assert inj.ledger.outcomes[("forget_kv", "slipped")] == 1
 
     inj = only("corrupt", seed=9)
