@@ -117,10 +117,10 @@ class Scheduler:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
         The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
-        running decodes go first, then waiting requests by priority and arrival, then the next chunks of
-        running prefills. At most `max_tokens` rows go in one frame: a prompt that does not fit is prefilled
-        in chunks (batch invariance makes chunking invisible in the output), so long prompts never stall the
-        decodes batched with them, nor a short request arriving behind them.
+        running requests go first, then waiting ones by priority and arrival. At most `max_tokens` rows go
+        in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
+        invisible in the output), so long prompts never stall the decodes batched with them; while requests
+        wait, a chunk takes at most half the rows, so a long prompt never stalls a short one behind it either.
         """
         if not self.has_room():
             return []
@@ -128,13 +128,20 @@ class Scheduler:
         share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
         batch: list[tuple[Request, int]] = []
         tokens = 0
-        ready = [r for r in self.running.values() if not r.in_flight and not r.done]
-        # Decodes first (one row each), then new requests, then the rest of running prefills: a long prompt
-        # being prefilled in chunks never holds the frame's rows while a short request waits to start.
-        for req in [r for r in ready if r.pending <= 1]:
+        # Running requests first, in order (none of them can starve). While requests wait, running prefill
+        # chunks take at most half the frame's rows (decodes always fit), so long prompts never hold every
+        # frame while a short request waits to start.
+        prefill_rows = self.max_tokens - (self.max_tokens // 2 if self.waiting else 0)
+        for req in self.running.values():
             if len(batch) >= share or tokens >= self.max_tokens:
                 break
+            if req.in_flight or req.done:
+                continue
             n = min(req.pending, self.max_tokens - tokens)
+            if n > 1:
+                n = min(n, prefill_rows - tokens)
+                if n < 1:
+                    continue
             batch.append((req, n))
             tokens += n
         if self.waiting:
@@ -147,12 +154,6 @@ class Scheduler:
                 self.running[req.id] = req
                 batch.append((req, n))
                 tokens += n
-        for req in [r for r in ready if r.pending > 1]:
-            if len(batch) >= share or tokens >= self.max_tokens:
-                break
-            n = min(req.pending, self.max_tokens - tokens)
-            batch.append((req, n))
-            tokens += n
         for req, n in batch:
             req.in_flight = True
             req.sent = req.stamp(n)

@@ -169,12 +169,11 @@ def test_max_tokens_budget_chunks_the_prompt_that_does_not_fit():
     assert ids(b) == ["r0", "r1", "r2"] and [len(r.sent.token_ids) for r in b] == [10, 10, 5]
     assert [r.samples for r in b] == [True, True, False]       # r2's first chunk samples nothing
     complete(sched, b)
-    # two decodes (1 row each), then the waiting r3 and r4 (10 each), then a chunk of r2's rest with what is
-    # left (25 - 22 = 3): new requests are not held back by a prefill already under way
+    # two decodes (1 row each), the rest of r2's prompt (5), then r3 (10) and a chunk of r4 (25 - 17 = 8)
     b = sched.next_batch()
-    assert ids(b) == ["r0", "r1", "r3", "r4", "r2"]
-    assert [len(r.sent.token_ids) for r in b] == [1, 1, 10, 10, 3]
-    assert b[4].sent.position == 5 and not b[4].samples and b[3].samples
+    assert ids(b) == ["r0", "r1", "r2", "r3", "r4"]
+    assert [len(r.sent.token_ids) for r in b] == [1, 1, 5, 10, 8]
+    assert b[2].sent.position == 5 and b[2].samples and not b[4].samples
 
 
 def test_an_oversized_prompt_is_prefilled_in_chunks():
@@ -190,9 +189,8 @@ def test_an_oversized_prompt_is_prefilled_in_chunks():
         complete(sched, b)
         if done:
             break
-    # the small request arriving behind it starts in the second frame, not after the whole prefill
-    assert chunks == [[("big", 0, 8, False)], [("small", 0, 2, True), ("big", 8, 6, False)],
-                      [("small", 2, 1, True), ("big", 14, 6, True)]]
+    # while "small" waits, big's chunk takes half the rows: small starts in the second frame, not after big
+    assert chunks == [[("big", 0, 8, False)], [("big", 8, 4, False), ("small", 0, 2, True)], [("big", 12, 8, True)]]
     big = sched.running["big"]
     assert big.fed == 20 and big.fed_hash.value == context_hash(SEED, big.seq.prompt_ids)
 
@@ -303,3 +301,21 @@ def test_first_batch_respects_slots_and_budget(prompt_lens, stages, max_slots, m
     assert 1 <= len(b) <= share
     assert len(b) == 1 or sum(len(r.sent.token_ids) for r in b) <= max_tokens
     assert ids(b) == [f"r{i}" for i in range(len(b))]       # FIFO within one priority
+
+
+def test_a_long_prefill_is_not_starved_by_a_stream_of_new_requests():
+    """New requests keep arriving (a closed loop at capacity): the long prompt still progresses every frame,
+    by at least half the rows, and samples its first token in bounded time (the soak's 240 s hangs)."""
+    sched = Scheduler(num_stages=1, max_slots=4, max_tokens=8)
+    sched.add(req("big", prompt_len=40, max_tokens=1))
+    for frame in range(40):
+        sched.add(req(f"short{frame}", prompt_len=7, max_tokens=1))
+        b = sched.next_batch()
+        sampled = any(r.id == "big" and r.samples for r in b)
+        complete(sched, b)
+        for r in list(sched.running.values()):
+            if r.seq.finished:
+                sched.remove(r)
+        if sampled:
+            break
+    assert sampled and frame <= 40 // 4 + 1, frame
