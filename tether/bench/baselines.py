@@ -5,6 +5,8 @@
   service chases.
 - hf: Hugging Face transformers `generate` with static batching (left padded, greedy) on the same folder:
   what a Python user would pick instead.
+- hf_cb: transformers' own continuous batching (`generate_batch`, paged KV cache) on the same folder: the
+  strongest thing a Python user would pick instead on a CPU.
 
 Both report output tokens per second over the whole set of requests, all available at once (offline).
 """
@@ -116,12 +118,40 @@ def run_hf(hf, jobs: Seq[Job], batch_size: int, pad_id: int, eos_ids: frozenset[
             out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
                               max_new_tokens=max(j.params.max_tokens for j in batch))
         for row, j in zip(out[:, width:].tolist(), batch):
-            row = row[:j.params.max_tokens]
-            if not j.params.ignore_eos:
-                end = next((k for k, t in enumerate(row) if t in eos_ids), None)
-                row = row if end is None else row[:end + 1]
-            produced += len(row)
+            produced += _useful(row, j, eos_ids)
     return BaselineRun(produced, time.perf_counter() - t0)
+
+
+def _useful(row: list[int], job: Job, eos_ids: frozenset[int]) -> int:
+    """Tokens a request keeps: up to its own budget, and (unless it ignores EOS) up to and including EOS."""
+    row = row[:job.params.max_tokens]
+    if not job.params.ignore_eos:
+        end = next((k for k, t in enumerate(row) if t in eos_ids), None)
+        row = row if end is None else row[:end + 1]
+    return len(row)
+
+
+def run_hf_continuous(hf, jobs: Seq[Job], batch_size: int, pad_id: int, eos_ids: frozenset[int]) -> BaselineRun:
+    """transformers' continuous batching: every request at once through `generate_batch` (greedy), at most
+    `batch_size` running together. One generation config serves all, so each runs to the largest budget unless
+    it meets EOS, and only its useful tokens count (as for static batching). A warm-up call first, with a
+    persistent manager: setting up the paged cache and its manager costs ~16 s on this CPU per manager, once
+    per process, not per request set."""
+    from transformers import GenerationConfig   # a bench/test extra
+    cfg = GenerationConfig(max_new_tokens=max(j.params.max_tokens for j in jobs), do_sample=False,
+                           eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+    with torch.inference_mode():
+        hf.generate_batch(inputs=[jobs[0].prompt_ids], generation_config=GenerationConfig(
+            max_new_tokens=2, do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=pad_id),
+            progress_bar=False, persistent_manager=True)
+        t0 = time.perf_counter()
+        out = hf.generate_batch(inputs=[j.prompt_ids for j in jobs], generation_config=cfg, progress_bar=False,
+                                persistent_manager=True)
+        seconds = time.perf_counter() - t0
+    results = list(out.values())
+    if len(results) != len(jobs) or any(r.error is not None for r in results):
+        raise RuntimeError(f"generate_batch answered {len(results)} of {len(jobs)} requests")
+    return BaselineRun(sum(_useful(list(r.generated_tokens), j, eos_ids) for r, j in zip(results, jobs)), seconds)
 
 
 def pad_token(hf, eos_ids: frozenset[int]) -> int:

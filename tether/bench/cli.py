@@ -233,8 +233,11 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
         ratio = b["ratios"]
         out(f"baselines (output tok/s, median of {b['repeats']}): tether {b['served']['output_token_throughput']:.1f}, "
             f"engine {b['engine']['output_token_throughput']:.1f}, transformers "
-            f"{report.fmt(b['hf']['output_token_throughput'])}; tether/engine {report.ratio_text(ratio['vs_engine'])}, "
-            f"tether/transformers {report.ratio_text(ratio['vs_hf'])}")
+            f"{report.fmt(b['hf']['output_token_throughput'])}, transformers CB "
+            f"{report.fmt(b.get('hf_cb', {}).get('output_token_throughput'))}; "
+            f"tether/engine {report.ratio_text(ratio['vs_engine'])}, "
+            f"tether/transformers {report.ratio_text(ratio['vs_hf'])}, "
+            f"tether/transformers CB {report.ratio_text(ratio.get('vs_hf_cb'))}")
     if rep["chaos"]["requested"]:
         out("chaos (per fault kind: injected / detected / recovered / failed explicitly / wrong answers):")
         header = ["kind", "checks ON", "checks OFF"]

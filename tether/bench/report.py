@@ -123,8 +123,9 @@ def _baselines_md(b: dict | None) -> list[str]:
     rows = []
     for name, what in (("served", "tether, served over gRPC (closed loop, concurrency = batch size)"),
                        ("engine", "raw in-process engine (continuous batching, no gRPC)"),
-                       ("hf", "transformers generate, static batching")):
-        side = b[name]
+                       ("hf", "transformers generate, static batching"),
+                       ("hf_cb", "transformers generate_batch, continuous batching")):
+        side = b.get(name, {})
         tok_s = fmt(side["output_token_throughput"]) if side.get("output_token_throughput") else side.get("error", "–")
         rows.append([name, what, tok_s, ", ".join(fmt(x) for x in side.get("runs", []))])
     return ["## Baselines", "",
@@ -134,7 +135,8 @@ def _baselines_md(b: dict | None) -> list[str]:
             f"interleaved run(s); each ratio is the median of the per-run ratios.", "",
             *_table(["side", "what", "output tok/s (median)", "runs"], rows), "",
             f"tether / engine = **{ratio_text(b['ratios'].get('vs_engine'))}**, "
-            f"tether / transformers = **{ratio_text(b['ratios'].get('vs_hf'))}**", ""]
+            f"tether / transformers = **{ratio_text(b['ratios'].get('vs_hf'))}**, "
+            f"tether / transformers CB = **{ratio_text(b['ratios'].get('vs_hf_cb'))}**", ""]
 
 
 def ratio_text(r: float | None) -> str:

@@ -124,7 +124,8 @@ class Bench:
         served_runs: list[float] = []
         engine_runs: list[float] = []
         hf_runs: list[float] = []
-        hf_error = ""
+        hf_cb_runs: list[float] = []
+        hf_error = hf_cb_error = ""
         hf = None
         try:
             hf = baselines.load_hf(self.lm.folder)
@@ -145,15 +146,25 @@ class Bench:
                     pad = baselines.pad_token(hf, self.lm.tokenizer.eos_ids)
                     hf_runs.append(baselines.run_hf(hf, jobs, a.batch_size, pad,
                                                     self.lm.tokenizer.eos_ids).output_token_throughput)
+                    if not hf_cb_error:
+                        try:
+                            hf_cb_runs.append(baselines.run_hf_continuous(
+                                hf, jobs, a.batch_size, pad, self.lm.tokenizer.eos_ids).output_token_throughput)
+                        except Exception as e:   # noqa: BLE001 - transformers' CB is young: report, don't abort
+                            hf_cb_error = f"generate_batch failed: {e!r}"
         hf_tps = stats.median(hf_runs) if hf_runs else None
+        hf_cb_tps = stats.median(hf_cb_runs) if hf_cb_runs else None
         return dict(requests=a.baseline_requests, completed=len(jobs), batch_size=a.batch_size, threads=threads,
                     stage_threads=stage_threads(a), stages=a.stages, repeats=a.repeats,
                     served=dict(output_token_throughput=stats.median(served_runs), runs=served_runs),
                     engine=dict(output_token_throughput=stats.median(engine_runs), runs=engine_runs),
                     hf=dict(output_token_throughput=hf_tps, runs=hf_runs, **({"error": hf_error} if hf_error else {})),
+                    hf_cb=dict(output_token_throughput=hf_cb_tps, runs=hf_cb_runs,
+                               **({"error": hf_cb_error or hf_error} if (hf_cb_error or hf_error) else {})),
                     # Each ratio is the median of per-repeat ratios: the sides of one repeat ran back to back,
                     # so a change in the machine's load between repeats cancels out.
-                    ratios=dict(vs_engine=ratio(served_runs, engine_runs), vs_hf=ratio(served_runs, hf_runs)))
+                    ratios=dict(vs_engine=ratio(served_runs, engine_runs), vs_hf=ratio(served_runs, hf_runs),
+                                vs_hf_cb=ratio(served_runs, hf_cb_runs)))
 
     async def served_set(self, repeat: int) -> loadgen.LevelRun:
         """The baseline request set through the cluster, all at once up to --batch-size in flight."""
