@@ -151,7 +151,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                                                     messages=request.messages)
         await self._acquire(context)   # the same CPU work as a request: the same cap
         try:
-                a = await self._admit(as_generate, context, take_label=False)
+            a = await self._admit(as_generate, context, take_label=False)
         finally:
             self.limit.release()
         return admission_pb2.TagResponse(tags=tags_proto(a.tags))
