@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from tether import reference, settings
-from tether.bench import chaos, report, stats
-from tether.bench.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, stage_threads
-from tether.bench.workloads import WORKLOADS, LongSpec, SyntheticSpec, Workload, parse_mix
+from tether.bench import chaos, engine, report, stats
+from tether.bench.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, levels_of, stage_threads
+from tether.bench.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
 
 EPILOG = """examples:
@@ -27,6 +27,9 @@ EPILOG = """examples:
   tether bench --spawn --concurrency 32 --baselines --repeats 3
   tether bench --spawn --chaos all --concurrency 8 --num-requests 16
   tether bench --target 127.0.0.1:50051 --coordinator 127.0.0.1:50052 --chaos --num-requests 32
+  tether bench --spawn --model tiny --workload multiturn --concurrency 8 --compare-prefix-cache
+  tether bench --spawn --model tiny --workload synthetic --input-len 384 --output-len 256 --range-ratio 0 \
+      --concurrency 16 --stage-kv-tokens 3400
 
 The report (report.json, report.md, requests.jsonl and PNG plots) goes to --out; docs/PERFORMANCE.md
 explains every figure. Timings on shared machines are noisy: compare ratios measured in one run."""
@@ -76,6 +79,13 @@ def _chaos(text: str) -> chaos.ChaosPlan:
 
 def _addresses(text: str) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def _pids(text: str) -> dict[str, int]:
+    try:
+        return engine.parse_pids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic: lengths are uniform in [L*(1-R), L*(1+R)] (default: %(default)s)")
     g.add_argument("--long-tokens", default=f"{LongSpec.min_tokens}:{LongSpec.max_tokens}", metavar="MIN:MAX",
                    help="long: context length range in prompt tokens (default: %(default)s)")
+    g.add_argument("--doc-tokens", type=_positive_int, default=SharedDocSpec.tokens, metavar="TOKENS",
+                   help="shared-doc: length of the shared passage in prompt tokens, question included "
+                        "(default: %(default)s)")
     g = p.add_argument_group("what to measure")
     g.add_argument("--slo", type=_slo, metavar="ttft:MS,tpot:MS",
                    help="service-level objectives for goodput (completed requests/s within all of them); "
@@ -177,11 +190,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "cluster was started with (the services' --faults and --unsafe-disable-stamp-checks), "
                         "from Stats read before and after the levels, and audits every level")
     g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="--chaos against --target: the running cluster's coordinator, whose Stats has the "
-                        "rejections, recoveries and its own injected faults (ignored with --spawn)")
+                   help="against --target: the running cluster's coordinator, whose Stats give each level's "
+                        "engine figures and, with --chaos, the rejections, recoveries and its own injected faults "
+                        "(ignored with --spawn)")
     g.add_argument("--stage-addresses", type=_addresses, default=[], metavar="HOST:PORT,...",
-                   help="--chaos against --target: the running cluster's stages, to count the faults they "
-                        "inject and the slots they reject too (default: none, only the coordinator's Stats)")
+                   help="against --target: the running cluster's stages, for their engine figures (busy "
+                        "fraction, prefix cache, KV blocks) and, with --chaos, the faults they inject and the slots "
+                        "they reject (default: none, only the coordinator's Stats)")
+    g = p.add_argument_group(
+        "engine figures (prefix cache, KV pressure; see docs/PERFORMANCE.md)",
+        "With --spawn, or --coordinator/--stage-addresses, every level reports what the engine did from the "
+        "services' Stats before and after it: prefix hit rate and hit tokens, computed ÷ prompt tokens, "
+        "preemptions, rejections by reason, stage busy fraction, KV blocks at the end; and each process's CPU "
+        "busy fraction (the bench's own included).")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="with --spawn: start the coordinator with --no-prefix-cache (every prompt computed)")
+    g.add_argument("--compare-prefix-cache", action="store_true",
+                   help="with --spawn: run the levels twice on fresh clusters, first with --no-prefix-cache, then "
+                        "with the cache, the same requests in both, and report TTFT p50 with ÷ without and the "
+                        "hit rate side by side")
+    g.add_argument("--stage-kv-tokens", type=_positive_int, metavar="TOKENS",
+                   help="with --spawn: each stage's KV pool in tokens (the stages' --kv-capacity; default: "
+                        "theirs), to put the cluster under KV pressure")
+    g.add_argument("--pids", type=_pids, default={}, metavar="NAME=PID,...",
+                   help="against --target: processes of the running cluster whose CPU busy fraction and RSS to "
+                        "report per level (with --spawn: every service, automatically)")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR",
                    help="directory for report.json, report.md, requests.jsonl and the plots (default: %(default)s)")
@@ -199,7 +232,49 @@ def workload_of(args: argparse.Namespace, lm: reference.LoadedModel) -> Workload
     if not 0 <= args.range_ratio < 1:
         raise SystemExit(f"tether bench: --range-ratio must be within [0, 1), got {args.range_ratio}")
     synthetic = SyntheticSpec(args.input_len, args.output_len, args.range_ratio)
-    return Workload(args.workload, lm.tokenizer.encode, synthetic, LongSpec(lo, hi))
+    return Workload(args.workload, lm.tokenizer.encode, synthetic, LongSpec(lo, hi), SharedDocSpec(args.doc_tokens))
+
+
+NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch (issue 11)
+STAGE_KV_FLAG = "--kv-capacity"         # services/stage_worker/main.py: the stage's KV pool in tokens
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    spawn_only = [f for f, on in (("--no-prefix-cache", args.no_prefix_cache),
+                                  ("--compare-prefix-cache", args.compare_prefix_cache),
+                                  ("--stage-kv-tokens", args.stage_kv_tokens is not None)) if on]
+    if spawn_only and not args.spawn:
+        raise SystemExit(f"tether bench: {', '.join(spawn_only)} start(s) the cluster with a flag: needs --spawn")
+    if args.compare_prefix_cache and args.no_prefix_cache:
+        raise SystemExit("tether bench: --compare-prefix-cache runs with and without the cache already; "
+                         "drop --no-prefix-cache")
+    if args.compare_prefix_cache and args.chaos is not None:
+        raise SystemExit("tether bench: --compare-prefix-cache and --chaos start clusters of their own: run them "
+                         "separately")
+
+
+def cluster_extra(args: argparse.Namespace, prefix_cache: bool) -> dict[str, list[str]]:
+    """Per-service flags (LocalCluster `extra`) of a spawned cluster; `prefix_cache` False adds the
+    coordinator's --no-prefix-cache."""
+    extra: dict[str, list[str]] = {}
+    if args.stage_kv_tokens is not None:
+        extra["stage"] = [STAGE_KV_FLAG, str(args.stage_kv_tokens)]
+    if not prefix_cache:
+        extra["coordinator"] = [NO_PREFIX_CACHE]
+    return extra
+
+
+def offered_context(args: argparse.Namespace, workload: Workload, sample: int = 64) -> dict:
+    """Closed loop: the KV the users ask for at once (concurrency × mean prompt + output tokens, tokenized
+    here) against the stage pool, the figure a KV-pressure run is sized by; open loop: the mean alone."""
+    requests = workload.take(sample, f"{args.seed}:levels")
+    mean = sum(len(workload.encode(r.prompt)) + r.max_tokens for r in requests) / len(requests)
+    level = levels_of(args)[0]
+    offered = mean * level.concurrency if level.mode == "closed" else None
+    return dict(mean_context_tokens=round(mean, 1), concurrency=level.concurrency or None,
+                offered_tokens=None if offered is None else round(offered),
+                stage_kv_tokens=args.stage_kv_tokens,
+                offered_per_pool=engine.ratio(offered, args.stage_kv_tokens))
 
 
 def meta(args: argparse.Namespace, argv: list[str], target: str, lm: reference.LoadedModel,
@@ -219,6 +294,97 @@ def meta(args: argparse.Namespace, argv: list[str], target: str, lm: reference.L
         warmup=args.warmup, timeout_s=args.timeout, slo=args.slo)
 
 
+def engine_meta(args: argparse.Namespace, workload: Workload) -> dict:
+    return dict(prefix_cache=("compared: off, then on" if args.compare_prefix_cache
+                              else "off (--no-prefix-cache)" if args.no_prefix_cache else "the cluster's default"),
+                stage_kv_tokens=args.stage_kv_tokens, doc_tokens=args.doc_tokens,
+                context=offered_context(args, workload))
+
+
+def probe_of(args: argparse.Namespace, cluster: LocalCluster | None) -> engine.EngineProbe:
+    """What to read around each level: every service of a spawned cluster, else what the options name."""
+    if cluster is not None:
+        stages = [s for s in cluster.services if s.name.startswith("stage")]
+        return engine.EngineProbe(cluster.service("coordinator").address, [s.address for s in stages],
+                                  {s.name: s.proc.pid for s in cluster.services if s.proc is not None})
+    return engine.EngineProbe(args.coordinator, list(args.stage_addresses), dict(args.pids))
+
+
+def start_cluster(args: argparse.Namespace, prefix_cache: bool, log_dir: Path) -> LocalCluster:
+    threads = stage_threads(args)
+    extra = cluster_extra(args, prefix_cache)
+    cluster = LocalCluster(model=args.model, stages=args.stages, threads=threads, log_dir=log_dir, extra=extra)
+    flags = "; " + ", ".join(f"{k} {' '.join(v)}" for k, v in extra.items()) if extra else ""
+    print(f"starting a cluster: model {args.model}, {args.stages} stage(s), {threads} thread(s) each{flags} "
+          f"(logs in {log_dir}) ...", file=sys.stderr, flush=True)
+    try:
+        cluster.start(timeout=300)
+    except (TimeoutError, RuntimeError, ValueError) as e:
+        cluster.stop()
+        raise SystemExit(f"tether bench: the cluster did not start: {e}") from None
+    return cluster
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    chaos.check_target_args(args)
+    check_engine_args(args)
+    target_chaos = args.chaos is not None and not args.spawn
+    if target_chaos:
+        args.audit = True     # wrong answers are what the audit finds
+    try:
+        lm = reference.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"tether bench: {e}") from None
+    workload = workload_of(args, lm)
+    # One run, or (--compare-prefix-cache) the same levels on two fresh clusters: without the cache, then with.
+    variants = [(engine.CACHE_OFF, False), (engine.CACHE_ON, True)] if args.compare_prefix_cache \
+        else [("", not args.no_prefix_cache)]
+    before: dict = {}
+
+    def read_before() -> None:
+        before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
+
+    levels: list[dict] = []
+    records: list = []
+    rep: dict = {}
+    for i, (variant, prefix_cache) in enumerate(variants):
+        cluster = None
+        if args.spawn:
+            logs = args.out / "logs" / ("cache-on" if prefix_cache else "cache-off") if variant else args.out / "logs"
+            cluster = start_cluster(args, prefix_cache, logs)
+        target = cluster.target if cluster else args.target
+        last = i == len(variants) - 1
+        try:
+            if not rep:
+                rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
+                rep["meta"]["engine"] = engine_meta(args, workload)
+            bench = Bench(args, target, lm, workload, probe_of(args, cluster), variant)
+            levels += asyncio.run(bench.run_levels(read_before if target_chaos else None))
+            records += bench.records
+            if target_chaos:
+                after = chaos.read_stats(args.coordinator, args.stage_addresses)
+                rep["chaos"] = chaos.target_report(before, after, bench.records)
+            if args.baselines and last:
+                rep["baselines"] = bench.run_baselines()
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    rep["levels"] = levels
+    if args.compare_prefix_cache:
+        rep["prefix_cache_compare"] = engine.compare_prefix_cache(levels)
+    if args.spawn and args.chaos is not None:
+        kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
+        print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
+              flush=True)
+        bench.records = records
+        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
+        records = bench.records
+    files = report.write_all(rep, records, args.out)
+    print_summary(rep, files)
+
+
 def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = print) -> None:
     out("")
     out(f"tether bench: {rep['meta']['model']} at {rep['meta']['target']}")
@@ -228,6 +394,21 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     for row in [header, *rows]:
         out("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    rows = report.engine_rows(rep["levels"])
+    if rows:
+        out("engine (Δ Stats per level; CPU busy = CPU time ÷ wall, bench = this client):")
+        header = ["level", "hit rate", "computed/prompt", "preempt", "NO_CAPACITY", "stage busy", "KV blocks end",
+                  "CPU bench", "CPU services"]
+        rows = [[r[0], r[1], r[3], r[5], r[6], r[8], r[9], r[10], r[11]] for r in rows]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        for row in [header, *rows]:
+            out("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    cmp = rep.get("prefix_cache_compare")
+    if cmp:
+        for r in cmp["rows"]:
+            out(f"prefix cache, {r['level']}: TTFT p50 {report.fmt(r['ttft_p50_ms_off'])} ms without, "
+                f"{report.fmt(r['ttft_p50_ms_on'])} ms with: with ÷ without {report.ratio_text(r['ttft_p50_ratio'])} "
+                f"(target ≤ {cmp['ttft_ratio_target']:g}); hit rate {report.frac(r['hit_rate_on'])} with")
     b = rep.get("baselines")
     if b:
         ratio = b["ratios"]
@@ -256,51 +437,3 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
     out("report: " + ", ".join(str(f) for f in files))
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    chaos.check_target_args(args)
-    target_chaos = args.chaos is not None and not args.spawn
-    if target_chaos:
-        args.audit = True     # wrong answers are what the audit finds
-    try:
-        lm = reference.load(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"tether bench: {e}") from None
-    workload = workload_of(args, lm)
-    cluster = None
-    if args.spawn:
-        threads = stage_threads(args)
-        cluster = LocalCluster(model=args.model, stages=args.stages, threads=threads, log_dir=args.out / "logs")
-        print(f"starting a cluster: model {args.model}, {args.stages} stage(s), {threads} thread(s) each "
-              f"(logs in {args.out / 'logs'}) ...", file=sys.stderr, flush=True)
-        try:
-            cluster.start(timeout=300)
-        except (TimeoutError, RuntimeError, ValueError) as e:
-            cluster.stop()
-            raise SystemExit(f"tether bench: the cluster did not start: {e}") from None
-    target = cluster.target if cluster else args.target
-    before: dict = {}
-
-    def read_before() -> None:
-        before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
-
-    try:
-        rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
-        bench = Bench(args, target, lm, workload)
-        rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
-        if target_chaos:
-            after = chaos.read_stats(args.coordinator, args.stage_addresses)
-            rep["chaos"] = chaos.target_report(before, after, bench.records)
-        if args.baselines:
-            rep["baselines"] = bench.run_baselines()
-    finally:
-        if cluster is not None:
-            cluster.stop()
-    if args.spawn and args.chaos is not None:
-        kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
-        print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
-              flush=True)
-        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
-    files = report.write_all(rep, bench.records, args.out)
-    print_summary(rep, files)

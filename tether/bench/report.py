@@ -93,6 +93,7 @@ def markdown(report: dict) -> str:
         out += [f"> **{mismatches} MISMATCH(ES) FOUND BY THE AUDIT**: answers the model would not give to "
                 "their request. This is a correctness bug; details below.", ""]
     out += ["## Summary", "", *_table(SUMMARY_HEADER, summary_rows(report["levels"])), ""]
+    out += _engine_summary_md(report)
     for lv in report["levels"]:
         s = lv["summary"]
         out += [f"## {lv['label']}", "",
@@ -106,15 +107,123 @@ def markdown(report: dict) -> str:
         out += ["", "By workload:", "", *_group_table(lv["by_workload"]), ""]
         for tag, groups in lv["by_tag"].items():
             out += [f"By intent tag `{tag}`:", "", *_group_table(groups), ""]
+        out += _engine_level_md(lv)
         if lv["audit"] and lv["audit"]["mismatches"]:
             out += ["MISMATCHES:", ""] + [f"- request {m['index']} ({m['workload']}, seed {m['seed']}, "
                                           f"{m['params']}): {m['detail']} — prompt `{m['prompt']}`"
                                           for m in lv["audit"]["mismatches"]] + [""]
+    out += _compare_md(report.get("prefix_cache_compare"))
     out += _baselines_md(report.get("baselines"))
     out += ["## Chaos", "", *_chaos_md(report["chaos"]), ""]
     out += ["## Plots", ""]
     out += [f"![{p}]({p})" for p in report["plots"]] or [report["plots_note"]]
     return "\n".join(out) + "\n"
+
+
+def frac(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _blocks(d: dict) -> str:
+    """KV blocks used / cached / total at the end of a level."""
+    cells = [d.get(f"kv_blocks_{k}_end") for k in ("used", "cached", "total")]
+    return "–" if cells[2] in (None, 0) else "/".join(fmt(c) for c in cells)
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) or "0"
+
+
+ENGINE_HEADER = ["level", "prefix hit rate", "hit tokens", "computed ÷ prompt", "prefill ÷ prompt (est.)",
+                 "preemptions", "NO_CAPACITY", "rejections (all)", "stage busy", "KV blocks end used/cached/total",
+                 "CPU busy: bench", "CPU busy: services"]
+
+
+def engine_rows(levels: list[dict]) -> list[list[str]]:
+    """One row per level that measured its engine: the coordinator's figures, the stages' busy fractions and the
+    processes' CPU busy fractions."""
+    rows = []
+    for lv in levels:
+        e, cpu = lv.get("engine"), lv.get("cpu")
+        if e is None and cpu is None:
+            continue
+        c = (e or {}).get("coordinator") or {}
+        stages = [s for s in (e or {}).get("stages", []) if s]
+        rejections: dict[str, int] = {}
+        for side in [c, *stages]:
+            for k, v in side.get("rejections", {}).items():
+                rejections[k] = rejections.get(k, 0) + v
+        procs = (cpu or {}).get("processes", {})
+        services = [f"{n} {frac(p['busy_fraction'])}" for n, p in procs.items() if n != "bench"]
+        rows.append([lv["label"], frac(c.get("prefix_hit_rate")), fmt(c.get("prefix_hit_tokens")),
+                     frac(c.get("computed_per_prompt_token")), frac(c.get("prefill_per_prompt_token_est")),
+                     fmt(c.get("preemptions")), fmt(rejections.get("NO_CAPACITY", 0) if e else None),
+                     _counts(rejections) if e else "–",
+                     ", ".join(frac(s["busy_fraction"]) for s in stages) or "–",
+                     _blocks(c) if c else "–",
+                     frac(procs.get("bench", {}).get("busy_fraction")), ", ".join(services) or "–"])
+    return rows
+
+
+def _engine_summary_md(report: dict) -> list[str]:
+    rows = engine_rows(report["levels"])
+    if not rows:
+        return []
+    return ["## Engine", "",
+            "From the coordinator's and stages' Stats before and after each level (rejections: coordinator and "
+            "stages together), and each process's CPU time ÷ the level's wall time (1.00 = one core; "
+            "`bench` is this client). A figure whose denominator is 0 shows –.", "",
+            *_table(ENGINE_HEADER, rows), ""]
+
+
+def _engine_level_md(lv: dict) -> list[str]:
+    e, cpu = lv.get("engine"), lv.get("cpu")
+    out: list[str] = []
+    if e is not None:
+        c = e.get("coordinator")
+        if c:
+            out += [f"Engine: prefix cache {'on' if c.get('prefix_cache_end') else 'off (or not reported)'}; "
+                    f"{fmt(c['prefix_hits'])} hits of {fmt(c['prefix_queries'])} queries "
+                    f"({frac(c['prefix_hit_rate'])}), {fmt(c['prefix_hit_tokens'])} hit tokens, "
+                    f"{fmt(c['prefix_misses'])} misses; {fmt(c['computed_tokens'])} tokens computed for "
+                    f"{fmt(c['prompt_tokens'])} prompt tokens ({fmt(e.get('client_prompt_tokens'))} by the "
+                    f"receipts), {fmt(c['tokens_generated'])} generated; {fmt(c['preemptions'])} preemption(s); "
+                    f"rejections {_counts(c['rejections'])}; KV blocks used/cached/total at the end {_blocks(c)}; "
+                    f"step {fmt(c.get('step_seconds_end'), 4)} s.", ""]
+        stages = [s for s in e.get("stages", []) if s]
+        if stages:
+            out += _table(["stage", "busy", "steps", "prefix hits/queries", "hit tokens", "evictions",
+                           "rejections", "KV blocks end", "KV tokens end"],
+                          [[s["address"], frac(s["busy_fraction"]), fmt(s["steps"]),
+                            f"{fmt(s['prefix_hits'])}/{fmt(s['prefix_queries'])}", fmt(s["prefix_hit_tokens"]),
+                            fmt(s["prefix_evictions"]), _counts(s["rejections"]), _blocks(s),
+                            f"{fmt(s['kv_used_tokens_end'])}/{fmt(s['kv_capacity_tokens_end'])}"] for s in stages])
+            out += [""]
+        if e.get("errors"):
+            out += ["Stats not read: " + "; ".join(e["errors"]), ""]
+    if cpu is not None:
+        out += _table(["process", "CPU s", "busy (CPU ÷ wall)", "RSS MiB at end"],
+                      [[n, fmt(p["cpu_s"], 2), frac(p["busy_fraction"]), fmt(p["rss_mib_end"])]
+                       for n, p in cpu["processes"].items()])
+        out += ["", f"Over {fmt(cpu['wall_s'], 2)} s of wall time; `bench` is this client process.", ""]
+    return out
+
+
+def _compare_md(cmp: dict | None) -> list[str]:
+    if cmp is None:
+        return []
+    rows = [[r["level"], f"{r['completed_off']}/{r['completed_on']}", fmt(r["ttft_p50_ms_off"]),
+             fmt(r["ttft_p50_ms_on"]), f"**{frac(r['ttft_p50_ratio'])}**", frac(r["e2e_p50_ratio"]),
+             f"{fmt(r['output_tok_s_off'])} / {fmt(r['output_tok_s_on'])}",
+             f"{frac(r['hit_rate_off'])} / {frac(r['hit_rate_on'])}",
+             f"{frac(r['computed_per_prompt_off'])} / {frac(r['computed_per_prompt_on'])}"] for r in cmp["rows"]]
+    return ["## Prefix cache: without vs with", "",
+            "The same levels and requests on two fresh clusters, first started with `--no-prefix-cache`, then "
+            f"with the cache. Target (issue 11): TTFT p50 with ÷ without ≤ {cmp['ttft_ratio_target']:g} on "
+            "multi-turn with shared system prompts.", "",
+            *_table(["level", "done off/on", "TTFT p50 off ms", "TTFT p50 on ms", "TTFT p50 on ÷ off",
+                     "E2E p50 on ÷ off", "out tok/s off / on", "hit rate off / on", "computed ÷ prompt off / on"],
+                    rows), ""]
 
 
 def _baselines_md(b: dict | None) -> list[str]:

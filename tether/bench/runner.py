@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from tether import reference, settings
 from tether.bench import audit, baselines, loadgen, stats
+from tether.bench.engine import EngineProbe
 from tether.bench.progress import Progress
 from tether.bench.records import BREAKDOWN_TAGS, RequestRecord
 from tether.bench.workloads import Workload
@@ -51,9 +52,15 @@ class Bench:
     """One bench run against `target`: warm-up, the levels (each audited right after its load, while the
     cluster is idle), then the baselines."""
 
-    def __init__(self, args: argparse.Namespace, target: str, lm: reference.LoadedModel, workload: Workload) -> None:
+    def __init__(self, args: argparse.Namespace, target: str, lm: reference.LoadedModel, workload: Workload,
+                 probe: EngineProbe | None = None, variant: str = "") -> None:
         self.args, self.target, self.lm, self.workload = args, target, lm, workload
         self.records: list[RequestRecord] = []
+        self.probe = probe        # engine Stats and process CPU around each level; None: not measured
+        self.variant = variant    # appended to level labels when one invocation runs several clusters
+
+    def label(self, level: loadgen.Level) -> str:
+        return f"{level.label}, {self.variant}" if self.variant else level.label
 
     def progress(self, label: str, budget: loadgen.Budget) -> Progress:
         return Progress(label, budget.num_requests, budget.duration_s, enabled=not self.args.quiet)
@@ -88,25 +95,37 @@ class Bench:
                 after_warm_up()
             for level in levels_of(self.args):
                 load_before = os.getloadavg()[0]
+                if self.probe is not None:
+                    self.probe.before()
                 # Every level sends the same request sequence with the same arrival pattern (scaled to its
                 # rate), so levels differ only in their load: common random numbers, the fair way to compare.
-                run = await self.level(client, level, budget_of(self.args), "levels")
+                run = await self.level(client, level, budget_of(self.args), "levels", self.label(level))
+                # Read right after the load, before the audit's own CPU lands in the window.
+                measured = self.probe.after() if self.probe is not None else None
+                for rec in run.records:
+                    rec.level = self.label(level)
                 self.records += run.records
-                out.append(self.level_report(run, load_before))
+                out.append(self.level_report(run, load_before, measured))
         return out
 
-    def level_report(self, run: loadgen.LevelRun, load_before: float) -> dict:
+    def level_report(self, run: loadgen.LevelRun, load_before: float, measured: dict | None = None) -> dict:
         slo = self.args.slo
         audit_json = None
         if self.args.audit:
             with baselines.torch_threads(AUDIT_THREADS):
                 audit_json = audit.audit_records(self.lm, run.records).to_json()
         by_tag = {t: stats.breakdown(run.records, lambda r, t=t: r.tag(t), run.wall_s, slo) for t in BREAKDOWN_TAGS}
-        return dict(label=run.level.label, mode=run.level.mode, rate=run.level.rate,
+        engine = cpu = None
+        if measured is not None:
+            engine, cpu = measured["engine"], measured["cpu"]
+            if engine is not None:
+                # The prompt tokens the receipts counted: a cross-check of the coordinator's prompt_tokens.
+                engine["client_prompt_tokens"] = sum(r.prompt_tokens for r in run.records if r.ok)
+        return dict(label=self.label(run.level), mode=run.level.mode, rate=run.level.rate,
                     concurrency=run.level.concurrency, load_average=[load_before, os.getloadavg()[0]],
                     summary=stats.level_summary(run.records, run.wall_s, slo),
                     by_workload=stats.breakdown(run.records, lambda r: r.request.workload, run.wall_s, slo),
-                    by_tag=by_tag, audit=audit_json)
+                    by_tag=by_tag, audit=audit_json, engine=engine, cpu=cpu)
 
     async def chaos_load(self, target: str, level: loadgen.Level, budget: loadgen.Budget,
                          label: str) -> loadgen.LevelRun:

@@ -7,6 +7,9 @@ Workloads:
 - multiturn  conversations that share a few system prompts (the prefix-cache workload): a random prefix of a
              conversation ending in a user turn.
 - long       long-context requests: several passages (repeated to length) followed by a question.
+- shared-doc one long shared passage (`SharedDocSpec.tokens`, ~1500 prompt tokens) asked different questions:
+             the prompt is the passage, then one question, so every request shares all but its last line (the
+             prefix cache's best case; the computed ÷ prompt tokens figure shows what the cache saved).
 - synthetic  random English words with input and output lengths drawn uniformly from
              [L * (1 - ratio), L * (1 + ratio)] tokens (like vLLM's random dataset); ignores EOS so every
              request produces exactly its output length.
@@ -25,7 +28,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-WORKLOADS = ("single", "multiturn", "long", "synthetic")
+WORKLOADS = ("single", "multiturn", "long", "synthetic", "shared-doc")
 DEFAULT_MIX = "single:6,multiturn:3,long:1"
 
 Encode = Callable[[str], list[int]]
@@ -67,6 +70,15 @@ class LongSpec:
 
     min_tokens: int = 1000
     max_tokens: int = 2000
+    output_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class SharedDocSpec:
+    """shared-doc: the passage's length in prompt tokens (built once per Workload, the same for every seed, so
+    every level and every cluster of a comparison sees the same passage) and each answer's output budget."""
+
+    tokens: int = 1500
     output_tokens: int = 32
 
 
@@ -118,6 +130,24 @@ LONG_QUESTIONS = {
 }
 
 
+# shared-doc: the instruction, then the passage, then one of these questions (different suffixes, one prefix).
+SHARED_DOC_HEAD = "Read the report below carefully. Several questions about it follow, one at a time.\n\n"
+SHARED_DOC_QUESTIONS = (
+    "Summarize the report in under 40 words.",
+    "Which numbers does the report mention?",
+    "What is the main difficulty the report describes?",
+    "Who is involved, according to the report?",
+    "Give the report a short title.",
+    "List three keywords for the report.",
+    "What happened first, according to the report?",
+    "Is the tone of the report optimistic or pessimistic? Why?",
+    "If you were in charge, what would you do next?",
+    "What question does the report leave open?",
+    "Explain the report to a child in two sentences.",
+    "Which part of the report is most surprising?",
+)
+
+
 def _sampling(rng: random.Random) -> dict[str, Any]:
     if rng.random() < 0.5:
         return {}
@@ -132,11 +162,13 @@ class Workload:
     """
 
     def __init__(self, mix: dict[str, float], encode: Encode, synthetic: SyntheticSpec = SyntheticSpec(),
-                 long: LongSpec = LongSpec()) -> None:
+                 long: LongSpec = LongSpec(), shared_doc: SharedDocSpec = SharedDocSpec()) -> None:
         self.mix = mix
         self.encode = encode
         self.synthetic = synthetic
         self.long = long
+        self.shared_doc = shared_doc
+        self._doc: str | None = None
 
     def stream(self, seed: str | int) -> Iterator[BenchRequest]:
         rng = random.Random(f"tether-bench:{seed}")   # str seeds hash stably across processes
@@ -144,7 +176,7 @@ class Workload:
         index = 0
         while True:
             name = rng.choices(names, weights)[0]
-            yield getattr(self, f"_{name}")(rng, index)
+            yield getattr(self, f"_{name.replace('-', '_')}")(rng, index)
             index += 1
 
     def take(self, n: int, seed: str | int) -> list[BenchRequest]:
@@ -187,6 +219,34 @@ class Workload:
                                         self.long.output_tokens, **_sampling(rng))
                 parts.append(piece)
                 used += cost
+
+    def shared_passage(self) -> str:
+        """The shared-doc passage: English passages of ours, numbered and repeated, while they fit in
+        `shared_doc.tokens` prompt tokens (head and question included); seeded by its length alone."""
+        if self._doc is None:
+            rng = random.Random(f"tether-bench:shared-doc:{self.shared_doc.tokens}")
+            passages = [p["text"] for p in _data("passages.jsonl") if p["lang"] == "en"]
+            longest = max(len(self.encode(f"\n\nQuestion: {q}")) for q in SHARED_DOC_QUESTIONS)
+            budget = self.shared_doc.tokens - len(self.encode(SHARED_DOC_HEAD)) - longest
+            parts: list[str] = []
+            used = 0
+            while self._doc is None:
+                order = passages[:]
+                rng.shuffle(order)
+                for p in order:
+                    piece = f"[{len(parts) + 1}] {p}\n"
+                    cost = len(self.encode(piece))
+                    if parts and used + cost > budget:
+                        self._doc = SHARED_DOC_HEAD + "".join(parts).rstrip()
+                        break
+                    parts.append(piece)
+                    used += cost
+        return self._doc
+
+    def _shared_doc(self, rng: random.Random, index: int) -> BenchRequest:
+        question = rng.choice(SHARED_DOC_QUESTIONS)
+        return BenchRequest(index, "shared-doc", f"{self.shared_passage()}\n\nQuestion: {question}",
+                            self.shared_doc.output_tokens, **_sampling(rng))
 
     def _synthetic(self, rng: random.Random, index: int) -> BenchRequest:
         n_in = rng.randint(*self.synthetic.bounds(self.synthetic.input_len))
