@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door soak clean
+.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door bench-memory bench-prefix soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -46,6 +46,12 @@ bench-chaos: setup  ## every fault kind alone, stamp checks on and off: injected
 
 bench-front-door: setup  ## a small request's latency idle vs while 4 and 8 clients send adversarial prompts at the cap (exit 1 past 2x)
 	$(BIN)/python -m bench.front_door --out bench-out/front-door/report.json --log-dir bench-out/front-door/logs
+
+bench-memory: setup  ## stage RSS after 1,000 and 10,000 short requests on tiny (exit 1 past +10%; a few minutes, not in `make test`)
+	$(BIN)/python -m bench.memory --out bench-out/memory/report.json --log-dir bench-out/memory/logs
+
+bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, TTFT p50 ratio and hit rate
+	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 48 --compare-prefix-cache --out bench-out/prefix
 
 soak: setup  ## a few hundred concurrent streams for ~5 minutes against a local cluster, with random cancels (not in `make test`)
 	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs
