@@ -11,7 +11,7 @@ import grpc
 
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults
-from tether.protocol.hashing import payload_digest
+from tether.protocol.hashing import frame_digest
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Pipeline:
     async def send(self, slots: list[stage_pb2.Slot]) -> int:
         self.seq += 1
         frame = stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
-                                payload_digest=payload_digest(b"", [s.stamp.context_hash for s in slots]))
+                                payload_digest=frame_digest(b"", slots))
         if not self.faults.enabled:
             await self._write(frame)
             return self.seq

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,7 +73,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             has_head=m.has_head, model_fingerprint=self.fingerprint, protocol_version=settings.PROTOCOL_VERSION,
             kv_capacity_tokens=self.kv_capacity, num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
             max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
-            max_streams_per_peer=self.max_streams_per_peer)
+            max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens)
 
     def _refusal(self, req: stage_pb2.HandshakeRequest) -> str | None:
         m = self.model
@@ -193,11 +194,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def snapshot() -> stage_pb2.StageStats:   # on the step thread: no step mutates what we read
             w = self.worker
-            return stage_pb2.StageStats(
+            stats = stage_pb2.StageStats(
                 faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
-                kv_used_tokens=w.pool.used_tokens, kv_capacity_tokens=w.pool.capacity_tokens,
+                kv_used_tokens=w.kv_used_tokens(), kv_capacity_tokens=w.pool.capacity_tokens,
                 stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
-                replies_queued=queued)
+                replies_queued=queued, busy_seconds=w.busy_seconds, uptime_seconds=time.monotonic() - w.started,
+                steps=w.steps)
+            if w.arena is not None:
+                pool = w.arena.pool
+                stats.prefix_queries, stats.prefix_hits = pool.counters.queries, pool.counters.hits
+                stats.prefix_hit_tokens = pool.counters.hit_blocks * w.arena.block
+                stats.prefix_evictions = pool.counters.evictions
+                stats.kv_blocks_used, stats.kv_blocks_cached = pool.used, len(pool.evictable)
+                stats.kv_blocks_total = pool.capacity
+            return stats
         return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 
     async def Release(self, request, context):

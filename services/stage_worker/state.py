@@ -1,4 +1,5 @@
-"""What a stage holds per request, and the per-slot checks that guard it (DESIGN.md checks 1, 2 and 4).
+"""What a stage holds per request, and the per-slot checks that guard it (DESIGN.md checks 1, 2 and 4),
+including the prefix cache: a new state may start from cached blocks, each confirmed by its token ids.
 
 Pure logic: no gRPC, no model. A slot is checked before anything touches its KV; a rejected slot leaves
 the stage exactly as it was.
@@ -7,9 +8,11 @@ the stage exactly as it was.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from tether.kv.cache import KVCache
+from tether.kv.blocks import BlockPool, block_keys
 from tether.kv.paged import PagedKV
 from tether.protocol.hashing import ContextHasher
 from tether.v1 import stage_pb2
@@ -34,6 +37,8 @@ class RequestState:
     kv: KVCache | PagedKV
     kv_tag: int                        # context hash the KV buffers were last written for
     last_used: float = field(default_factory=time.monotonic)
+    tokens: array = field(default_factory=lambda: array("I"))   # the context, for the prefix cache's checks
+    block_ends: list[int] = field(default_factory=list)         # the chain's value at each full block's end
 
     @property
     def length(self) -> int:
@@ -49,18 +54,43 @@ class Admitted:
     token_ids: list[int]
     context_hash: int
     fresh: bool                        # the state was created for this slot (drop it if the step fails)
+    cached: int = 0                    # leading token_ids taken from the prefix cache: not computed
+
+    @property
+    def start(self) -> int:
+        """The first position this step computes."""
+        return self.position + self.cached
+
+    @property
+    def rows(self) -> int:
+        """Rows this step computes (and the frame carries activations for)."""
+        return len(self.token_ids) - self.cached
+
+
+@dataclass
+class CachedBlock:
+    """What a stage keeps with a block in its prefix cache: a hit must match all of it, never the key alone."""
+
+    seed: int                          # the chain's salt: model and tenant namespace
+    tokens: tuple[int, ...]            # the block's token ids
+    parent: int                        # serial of the previous block's registration (0 for the first block)
 
 
 class StageState:
     """All requests' state on one stage, keyed by request id."""
 
-    def __init__(self, new_kv, max_context: int, checks: bool = True) -> None:
+    def __init__(self, new_kv, max_context: int, checks: bool = True, pool: BlockPool | None = None,
+                 block: int = 0) -> None:
         self._new_kv = new_kv          # callable(owner: str) -> KVCache | PagedKV
         self.max_context = max_context
         # False only under --unsafe-disable-stamp-checks: an experiment that reproduces what a pipeline
         # without stamps does (trust the frame's position, run on whatever state is there). Never a default.
         self.checks = checks
         self.requests: dict[str, RequestState] = {}
+        # The prefix cache: the paged arena's block pool (None with the plain kernels, or without checks: a
+        # cache is only as good as the checks that fill it).
+        self.pool = pool if checks and block else None
+        self.block = block
 
     def check(self, slot: stage_pb2.Slot) -> Admitted:
         """Run checks 1, 2 and 4 for one slot; raise Rejected, or return what to run and commit."""
@@ -70,16 +100,21 @@ class StageState:
             raise Rejected(R.BAD_FRAME, "slot without request id or tokens")
         if st.position + n > self.max_context:
             raise Rejected(R.BAD_FRAME, f"position {st.position}+{n} exceeds the context window {self.max_context}")
+        cached = slot.cached_prefix
+        if cached and (st.position != 0 or cached >= n or not self.block or cached % self.block):
+            raise Rejected(R.BAD_FRAME, f"cached_prefix {cached} must be a multiple of {self.block or 'the KV block'}"
+                                        f" below the slot's {n} tokens, at position 0")
         if not self.checks:
             return self._admit_unchecked(slot)
         held = self.requests.get(rid)
         fresh = False
         if held is not None and st.epoch < held.epoch:
             raise Rejected(R.STALE_EPOCH, f"epoch {st.epoch} is older than held epoch {held.epoch}")
+        replaces = None
         if held is not None and st.epoch > held.epoch:
             if st.position != 0:
                 raise Rejected(R.STALE_EPOCH, f"new epoch {st.epoch} must start at position 0, not {st.position}")
-            held = None                # a rebuilt request replaces its old state (committed only on success)
+            replaces, held = held, None   # a rebuilt request replaces its old state (freed once the slot passes)
         if held is None:
             if st.position != 0:
                 raise Rejected(R.UNKNOWN_REQUEST, f"no state for {rid} but frame starts at position {st.position}")
@@ -94,7 +129,34 @@ class StageState:
             raise Rejected(R.STATE_MISMATCH, "context hash does not match parent hash + token ids")
         if held.kv.owner != rid or held.kv_tag != held.hasher.value:
             raise Rejected(R.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
-        return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
+        ids = list(st.token_ids)
+        blocks = self._cached_blocks(slot.hash_seed, ids, cached) if cached else []
+        if replaces is not None:
+            # The replay must not need room the old epoch's blocks hold (the coordinator's ledger counts
+            # them freed); its full blocks stay cached.
+            self.release([rid])
+        if blocks:
+            held.kv.attach(blocks)
+        return Admitted(held, st.position, ids, st.context_hash, fresh, cached)
+
+    def _cached_blocks(self, seed: int, ids: list[int], cached: int) -> list[int]:
+        """The cached blocks holding the first `cached` of `ids`, every one confirmed (seed, token ids, and
+        the chain of registrations); PREFIX_MISS unless all are there."""
+        pool, block = self.pool, self.block
+        if pool is None:
+            raise Rejected(R.PREFIX_MISS, "this stage keeps no prefix cache")
+        n = cached // block
+
+        def confirm(i: int, b: int, entry, prev) -> bool:
+            info: CachedBlock = entry.info
+            return (info is not None and info.seed == seed and info.tokens == tuple(ids[i * block:(i + 1) * block])
+                    and info.parent == (prev.serial if prev is not None else 0))
+
+        found = pool.match(block_keys(seed, ids[:cached], block), confirm)
+        pool.count_query(n, len(found))
+        if len(found) < n:
+            raise Rejected(R.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
+        return found
 
     def _admit_unchecked(self, slot: stage_pb2.Slot) -> Admitted:
         """No checks 1, 2, 4 (experiment only): position 0 starts over, anything else runs on whatever state
@@ -109,17 +171,54 @@ class StageState:
         return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
 
     def commit(self, a: Admitted) -> None:
-        """The step ran: the KV now holds the slot's tokens; advance the chain and tag."""
+        """The step ran: the KV now holds the slot's tokens; advance the chain and tag, and offer the blocks
+        it filled to the prefix cache."""
         old = self.requests.get(a.state.request_id)
         if old is not None and old is not a.state:
             old.kv.release()
-        a.state.hasher.extend(a.token_ids)
+        if self.pool is not None:
+            self._extend_and_register(a.state, a.token_ids)
+        else:
+            a.state.hasher.extend(a.token_ids)
         # The KV holds rows 0..position+n now. With the checks on this equals the chain's length; without
         # them (experiment) the two may differ, and the KV length is what the next step may read.
         a.state.kv.length = a.position + len(a.token_ids)
         a.state.kv_tag = a.state.hasher.value
         a.state.last_used = time.monotonic()
         self.requests[a.state.request_id] = a.state
+
+    def _extend_and_register(self, state: RequestState, ids: list[int]) -> None:
+        """Extend the chain by `ids` block boundary by block boundary; register each block that became full
+        under the chain's value at its end (salted by model and tenant), chained to the registration of the
+        block before it. A block whose key another block already holds stays private."""
+        block, pool, kv = self.block, self.pool, state.kv
+        at = 0
+        while at < len(ids):
+            length = state.hasher.length
+            take = min(len(ids) - at, block - length % block)
+            piece = ids[at:at + take]
+            value = state.hasher.extend(piece)
+            state.tokens.extend(piece)
+            at += take
+            end = state.hasher.length
+            if end % block:
+                continue
+            state.block_ends.append(value)
+            i = end // block - 1
+            b = kv.blocks[i]
+            if pool.entry(b) is not None:
+                continue                       # attached from the cache: registered already
+            prev = None
+            if i > 0:
+                prev = pool.entry(kv.blocks[i - 1])
+                if prev is None:               # the block before is private: link to the cached twin, if any
+                    twin = pool.lookup((state.hasher.seed, state.block_ends[i - 1]))
+                    prev = pool.entry(twin) if twin is not None else None
+                    if prev is None or prev.info.tokens != tuple(state.tokens[(i - 1) * block:i * block]):
+                        continue
+            info = CachedBlock(state.hasher.seed, tuple(state.tokens[i * block:end]),
+                               prev.serial if prev is not None else 0)
+            pool.register(b, (state.hasher.seed, value), info)
 
     def abandon(self, a: Admitted) -> None:
         """The step failed after admission: free a state that was never committed."""

@@ -6,6 +6,7 @@ No gRPC here: `process` takes a Frame and returns results and the next frame, so
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -14,10 +15,12 @@ import torch
 from services.stage_worker.state import Admitted, Rejected, StageState
 from tether import settings
 from tether.engine import sampler
-from tether.kv.cache import KVPool, NoCapacity
+from tether.kv.cache import KVCache, KVPool, NoCapacity
+from tether.kv.paged import PagedKV
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
-from tether.protocol.hashing import payload_digest, sampling_digest, token_hash
+from tether.protocol import hashing
+from tether.protocol.hashing import sampling_digest, token_hash
 from tether.v1 import stage_pb2
 
 R = stage_pb2.RejectReason
@@ -37,7 +40,7 @@ def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
 
 
 def frame_digest(frame: stage_pb2.Frame) -> int:
-    return payload_digest(frame.activations.data, [s.stamp.context_hash for s in frame.slots])
+    return hashing.frame_digest(frame.activations.data, frame.slots)
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,28 @@ class StageWorker:
         # stamp_checks=False is --unsafe-disable-stamp-checks: no digest and no per-slot checks 1, 2, 4.
         # It exists only to reproduce the wrong answers those checks prevent; never a default.
         self.stamp_checks = stamp_checks
-        self.state = StageState(lambda owner: model.new_kv(self.pool, owner), model.cfg.max_position_embeddings,
-                                checks=stamp_checks)
+        # With the paged arena (batch invariance on), its block pool bounds the KV and keeps the prefix cache.
+        self.arena = model.new_arena(kv_capacity_tokens)
+        self.state = StageState(self._new_kv, model.cfg.max_position_embeddings,
+                                checks=stamp_checks, pool=self.arena.pool if self.arena is not None else None,
+                                block=self.block_tokens)
+        self.started = time.monotonic()
+        self.busy_seconds = 0.0                     # wall time in steps that ran slots
+        self.steps = 0
         self.slots_rejected = 0
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
         self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
+
+    def _new_kv(self, owner: str) -> KVCache | PagedKV:
+        return PagedKV(self.arena, owner) if self.arena is not None else self.model.new_kv(self.pool, owner)
+
+    @property
+    def block_tokens(self) -> int:
+        """Positions per KV block, the unit of the prefix cache (0: plain kernels, no prefix cache)."""
+        return self.arena.block if self.arena is not None else 0
+
+    def kv_used_tokens(self) -> int:
+        return self.arena.used_blocks * self.arena.block if self.arena is not None else self.pool.used_tokens
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.slots_rejected += 1
@@ -77,7 +97,24 @@ class StageWorker:
 
     def process(self, frame: stage_pb2.Frame) -> StepOutcome:
         """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
-        rows = sum(len(s.stamp.token_ids) for s in frame.slots)
+        if not frame.slots:
+            return self._process(frame)
+        t0 = time.perf_counter()
+        try:
+            return self._process(frame)
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+            self.steps += 1
+
+    def _process(self, frame: stage_pb2.Frame) -> StepOutcome:
+        for s in frame.slots:
+            c = s.cached_prefix
+            if c and (c >= len(s.stamp.token_ids) or s.stamp.position != 0):
+                # the slot's activation rows would be ill-defined: nothing in this frame can be trusted
+                return self.reject_all(frame, R.BAD_FRAME, f"slot with cached_prefix {c} of "
+                                                           f"{len(s.stamp.token_ids)} tokens at position "
+                                                           f"{s.stamp.position}")
+        rows = sum(len(s.stamp.token_ids) - s.cached_prefix for s in frame.slots)
         if len(frame.slots) > self.limits.max_slots or rows > self.limits.max_rows:
             self.refusals["FRAME_SLOTS" if len(frame.slots) > self.limits.max_slots else "FRAME_ROWS"] += 1
             return self.reject_all(frame, R.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
@@ -155,21 +192,21 @@ class StageWorker:
                 admitted.append((slot, a, row))
             except Rejected as e:
                 out.results.append(self.reject(slot, e.reason, e.detail))
-            row += n
+            row += n - slot.cached_prefix
 
     def _run(self, frame, admitted, hidden: torch.Tensor | None) -> torch.Tensor:
-        slots = [SlotRows(a.state.kv, a.position, len(a.token_ids)) for _, a, _ in admitted]
+        slots = [SlotRows(a.state.kv, a.start, a.rows) for _, a, _ in admitted]
         if hidden is None:
-            x = torch.tensor([t for _, a, _ in admitted for t in a.token_ids], dtype=torch.long)
+            x = torch.tensor([t for _, a, _ in admitted for t in a.token_ids[a.cached:]], dtype=torch.long)
         else:
-            x = torch.cat([hidden[r:r + len(a.token_ids)] for _, a, r in admitted])
+            x = torch.cat([hidden[r:r + a.rows] for _, a, r in admitted])
         return self.model(x, slots)
 
     def _sample(self, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
         ends = []
         row = 0
         for slot, a, _ in admitted:
-            row += len(a.token_ids)
+            row += a.rows
             if slot.sample:
                 ends.append(row - 1)
         logits = self.model.logits(h[ends]) if ends else None

@@ -2,8 +2,9 @@
 
 The arena lets the batch-invariant attention gather a whole micro-batch's keys in one op and write all its
 new keys in one op, instead of a dozen ops per request. Sharing one tensor between requests is what the
-owner tags guard: every block records the serial of the PagedKV holding it, blocks are zeroed when handed
-out, and every step verifies that each block it reads or writes belongs to the request it reads it for.
+owner tags guard: every block records a tag (the serial of the PagedKV it was handed to), blocks are zeroed
+when handed out, and every step verifies that each block it reads or writes carries the tag its reader
+expects. Full blocks may be shared read-only between requests through the prefix cache (tether/kv/blocks.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import itertools
 
 import torch
 
-from tether.kv.cache import KVPool
+from tether.kv.blocks import BlockPool
+
+UNBOUNDED_BLOCKS = 1 << 40   # a reference model's arena (no stage pool): grows as far as memory lets it
 
 
 def long_tensor(values) -> torch.Tensor:
@@ -25,19 +28,19 @@ def long_tensor(values) -> torch.Tensor:
 class BlockArena:
     """Keys and values of every request on one slice: per layer a [blocks, kv_heads, block, head_dim] tensor.
 
-    Grows by doubling (a copy, amortised) up to `max_blocks` and never shrinks; the stage's KVPool decides
-    who may hold blocks, so the arena never needs more than the pool's capacity.
+    Which blocks are held, shared or cached is `pool`'s business (tether/kv/blocks.py, the same policy the
+    coordinator's ledger runs); the arena holds the tensors and the owner tags. The tensors grow by doubling
+    (a copy, amortised) up to the pool's capacity and never shrink.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block: int,
                  max_blocks: int | None = None) -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.block = (
             num_layers, kv_heads, head_dim, dtype, block)
-        self.max_blocks = max_blocks
+        self.pool = BlockPool(max_blocks if max_blocks is not None else UNBOUNDED_BLOCKS)
         self.k = [self._zeros(0) for _ in range(num_layers)]
         self.v = [self._zeros(0) for _ in range(num_layers)]
-        self.owner = torch.zeros(0, dtype=torch.long)   # serial of the PagedKV holding a block; 0 = free
-        self.free: list[int] = []                        # popped from the end: lowest ids first
+        self.owner = torch.zeros(0, dtype=torch.long)   # tag of the blocks' contents; 0 = free
         self._serials = itertools.count(1)
         self._heads = torch.arange(kv_heads)
 
@@ -46,20 +49,22 @@ class BlockArena:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks the tensors have room for now (the pool's capacity bounds their growth)."""
         return self.owner.shape[0]
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.pool.used
 
     def new_serial(self) -> int:
         return next(self._serials)
 
     def allocate(self, n: int, serial: int) -> list[int]:
-        """Hand out n zeroed blocks to the holder `serial`."""
-        if len(self.free) < n:
-            self._grow(n - len(self.free))
-        ids = [self.free.pop() for _ in range(n)]
+        """Hand out n zeroed blocks tagged `serial` (NoCapacity when the pool cannot, evicting cached blocks
+        nobody holds first)."""
+        ids = self.pool.allocate(n)
+        if ids and max(ids) >= self.num_blocks:
+            self._grow(max(ids) + 1 - self.num_blocks)
         index = long_tensor(ids)
         for k, v in zip(self.k, self.v):   # a reused block must not show its last holder's keys
             k.index_fill_(0, index, 0)
@@ -67,32 +72,35 @@ class BlockArena:
         self.owner[index] = serial
         return ids
 
-    def release(self, ids: list[int], serial: int) -> None:
+    def attach(self, ids: list[int]) -> list[int]:
+        """Share cached blocks (a prefix hit); returns their tags, which the new holder checks on every use."""
+        self.pool.acquire(ids)
+        return self.owner[long_tensor(ids)].tolist()
+
+    def release(self, ids: list[int], tags: list[int]) -> None:
         if not ids:
             return
-        index = long_tensor(ids)
-        self.verify(index, torch.full((len(ids),), serial))
-        self.owner[index] = 0
-        self.free.extend(reversed(ids))
+        self.verify(long_tensor(ids), long_tensor(tags))
+        freed = self.pool.release(ids)
+        if freed:   # cached blocks keep their tag (and contents) until evicted
+            self.owner[long_tensor(freed)] = 0
 
     def verify(self, blocks: torch.Tensor, serials: torch.Tensor) -> None:
-        """Raise unless every block is held by the matching serial (a broken table must never read or write
-        another request's keys)."""
+        """Raise unless every block carries the tag its holder expects (a broken table must never read or
+        write another request's keys, nor a cached block that was evicted and handed to someone else)."""
         if not torch.equal(self.owner[blocks], serials):
             raise RuntimeError("KV block table does not match the arena's owner tags")
 
     def _grow(self, at_least: int) -> None:
         old = self.num_blocks
         new = max(2 * old, old + at_least, 16)
-        if self.max_blocks is not None:
-            new = max(min(new, self.max_blocks), old + at_least)
+        new = max(min(new, self.pool.capacity), old + at_least)
         for layers in (self.k, self.v):
             for i, t in enumerate(layers):
                 grown = self._zeros(new)
                 grown[:old] = t
                 layers[i] = grown
         self.owner = torch.cat([self.owner, self.owner.new_zeros(new - old)])
-        self.free[:0] = range(new - 1, old - 1, -1)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [blocks * kv_heads * block, head_dim] rows (views), for indexed writes."""
@@ -106,18 +114,20 @@ class BlockArena:
 
 
 class PagedKV:
-    """One request's KV on one slice: the arena blocks it holds, in position order.
+    """One request's KV on one slice: the arena blocks it holds, in position order, and the tag each block
+    must carry (its own blocks carry its serial; blocks shared from the prefix cache, the tag they had when
+    cached).
 
     `length` counts positions whose K/V are complete. `written` is how far any step has written: a failed
     step can leave data past `length`, which is zeroed before a later step reads that block.
     """
 
-    def __init__(self, arena: BlockArena, pool: KVPool | None = None, owner: str = "") -> None:
+    def __init__(self, arena: BlockArena, owner: str = "") -> None:
         self.arena = arena
-        self.pool = pool
         self.owner = owner          # request id this state belongs to (checked on use)
         self.serial = arena.new_serial()
         self.blocks: list[int] = []
+        self.tags: list[int] = []
         self.length = 0
         self.written = 0
 
@@ -126,19 +136,19 @@ class PagedKV:
         return len(self.blocks) * self.arena.block
 
     def ensure(self, total: int) -> None:
-        """Make room for `total` positions (reserving the new blocks from the pool first)."""
-        block = self.arena.block
-        need = -(-total // block) - len(self.blocks)
-        if need <= 0:
-            return
-        if self.pool is not None:
-            self.pool.reserve(need * block)
-        try:
+        """Make room for `total` positions (NoCapacity when the pool cannot)."""
+        need = -(-total // self.arena.block) - len(self.blocks)
+        if need > 0:
             self.blocks += self.arena.allocate(need, self.serial)
-        except BaseException:
-            if self.pool is not None:
-                self.pool.free(need * block)
-            raise
+            self.tags += [self.serial] * need
+
+    def attach(self, blocks: list[int]) -> None:
+        """Start from cached blocks: a new state's first positions, read-only (writes only ever go past them)."""
+        if self.blocks:
+            raise RuntimeError("a cached prefix can only start an empty KV state")
+        self.tags = self.arena.attach(blocks)
+        self.blocks = list(blocks)
+        self.length = self.written = self.capacity
 
     def locate(self, start: int, end: int) -> tuple[list[int], list[int]]:
         """Block id and offset of each position start..end-1."""
@@ -172,7 +182,5 @@ class PagedKV:
         self.written = end
 
     def release(self) -> None:
-        self.arena.release(self.blocks, self.serial)
-        if self.pool is not None:
-            self.pool.free(self.capacity)
-        self.blocks, self.length, self.written = [], 0, 0
+        self.arena.release(self.blocks, self.tags)
+        self.blocks, self.tags, self.length, self.written = [], [], 0, 0

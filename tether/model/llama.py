@@ -174,10 +174,17 @@ class ModelSlice(nn.Module):
             return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool,
                            owner)
         if self.arena is None:
-            block = settings.ATTENTION_BLOCK
-            self.arena = BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype,
-                                    block, None if pool is None else -(-pool.capacity_tokens // block))
-        return PagedKV(self.arena, pool, owner)
+            self.arena = self.new_arena(None if pool is None else pool.capacity_tokens)
+        return PagedKV(self.arena, owner)
+
+    def new_arena(self, capacity_tokens: int | None) -> BlockArena | None:
+        """A paged KV arena for this slice holding up to `capacity_tokens` (whole blocks of it; None:
+        unbounded), or None with the plain kernels. A stage worker owns one; `new_kv` keeps a default one."""
+        if not self.batch_invariant:
+            return None
+        block = settings.ATTENTION_BLOCK
+        return BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, block,
+                          None if capacity_tokens is None else capacity_tokens // block)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:

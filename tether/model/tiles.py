@@ -91,7 +91,7 @@ class TileBatch:
         block, count = arena.block, tiles[0].count
         height = padded_rows(heads // kv_heads * count)
         offset, i, pad, keys = tile_layout(count, height, heads, kv_heads, block)
-        pairs = [(n, j, t.kv.blocks[j], t.kv.serial, t.position, t.row * heads)
+        pairs = [(n, j, t.kv.blocks[j], t.kv.tags[j], t.position, t.row * heads)
                  for n, t in enumerate(tiles) for j in range(-(-(t.position + count) // block))]
         columns = long_tensor(itertools.chain.from_iterable(zip(*pairs))).view(6, -1)
         pair_tile, pair_j, pair_block, pair_serial, pair_pos, pair_row = columns

@@ -105,3 +105,16 @@ def payload_digest(data: bytes, slot_context_hashes) -> int:
     hashes = list(slot_context_hashes)
     seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(hashes)}Q", *hashes))
     return xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+def slot_binding(context_hash: int, cached_prefix: int) -> int:
+    """What a frame's payload digest binds per slot: its context hash and, with a cached prefix, how many of
+    its tokens carry no activation rows (so rows can never be shifted from one slot to another)."""
+    if not cached_prefix:
+        return context_hash
+    return xxhash.xxh3_64_intdigest(struct.pack("<QI", context_hash, cached_prefix))
+
+
+def frame_digest(data: bytes, slots) -> int:
+    """The payload digest of a frame's activation bytes over its slots (stage_pb2.Slot)."""
+    return payload_digest(data, [slot_binding(s.stamp.context_hash, s.cached_prefix) for s in slots])

@@ -301,9 +301,11 @@ def hostile_frame(draw, hidden: int, vocab: int, held: dict[str, list[int]]):
                                     token_ids=draw(st.lists(st.integers(0, 2**32 - 1), max_size=4)),
                                     parent_hash=draw(st.integers(0, 2**64 - 1)),
                                     context_hash=draw(st.integers(0, 2**64 - 1)))
-        slots.append(stage_pb2.Slot(stamp=stamp, hash_seed=SEED, sample=draw(st.booleans())))
+        # a cached prefix nobody holds, or one that leaves no rows, or one off the block grid
+        cached = draw(st.sampled_from([0, 0, 0, 1, 64, 2**32 - 1]))
+        slots.append(stage_pb2.Slot(stamp=stamp, hash_seed=SEED, sample=draw(st.booleans()), cached_prefix=cached))
     f = stage_pb2.Frame(stream_seq=1, pipeline_epoch=1, slots=slots)
-    rows = sum(len(s.stamp.token_ids) for s in slots)
+    rows = sum(max(0, len(s.stamp.token_ids) - s.cached_prefix) for s in slots)
     acts = draw(st.sampled_from(["none", "good", "nan", "shape", "dtype", "bytes"]))
     if acts != "none":
         t = torch.randn(rows, hidden)
@@ -344,7 +346,7 @@ def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, w
         s = w.state.requests.get(rid)
         return None if s is None else (s.epoch, s.length, s.hasher.value, s.kv_tag, s.kv.length, id(s.kv))
     before = {rid: snap(rid) for rid in ["", "p", "q", "r"]}
-    used = w.pool.used_tokens
+    used = w.kv_used_tokens()
     out = w.process(frame)                     # must not raise
     admitted = {r.stamp.request_id for r in out.results if r.ok}
     if out.forward is not None:                # a stage without the head forwards what it admitted
@@ -354,7 +356,7 @@ def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, w
         if rid not in admitted:
             assert snap(rid) == b, f"{rid} was not admitted but its state changed"
     if not admitted:
-        assert w.pool.used_tokens == used
+        assert w.kv_used_tokens() == used
     for r in out.results:
         if not r.ok:
             assert r.reason != R.REJECT_REASON_NONE and r.detail

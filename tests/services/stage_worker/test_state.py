@@ -194,32 +194,36 @@ def test_check_alone_changes_nothing(stage):
     assert stage.snapshot("a") == before
 
 
-def test_new_epoch_replaces_state_only_on_commit(stage):
+def test_new_epoch_frees_the_old_state_as_soon_as_its_slot_passes(stage):
+    """A rebuild's replay never needs room the old epoch still holds (the coordinator's block ledger counts
+    those blocks freed when it rebuilds)."""
     old = stage.state.requests["a"]
     used = stage.pool.used_tokens
     rebuilt = PROMPT + [9, 10]
     a = stage.admit(slot("a", rebuilt, epoch=2))
     assert a.fresh and a.state is not old
-    # until the step commits, the stage still holds (and answers for) the old epoch
-    assert stage.state.requests["a"] is old and old.length == 4 and old.epoch == 1
-    assert stage.state.held("a").epoch == 1
-    assert stage.pool.used_tokens == used + BLOCK               # the new buffers are reserved alongside
+    assert "a" not in stage.state.requests and old.kv.capacity == 0
+    assert stage.pool.used_tokens == used                      # the old buffers went back before the new ones
     stage.state.commit(a)
     new = stage.state.requests["a"]
     assert new is a.state and new.epoch == 2 and new.length == 6
     assert new.hasher.value == context_hash(SEED, rebuilt)
-    assert old.kv.capacity == 0 and stage.pool.used_tokens == used   # the old epoch's KV is freed
     # and the old epoch is now refused
     reject(stage, slot("a", [9], PROMPT, epoch=1), R.STALE_EPOCH)
 
 
-def test_abandoned_new_epoch_keeps_the_old_state(stage):
+def test_a_refused_new_epoch_keeps_the_old_state(stage):
     old = stage.state.requests["a"]
     before = stage.snapshot("a")
+    reject(stage, slot("a", [1, 2, 3], epoch=2, context=123), R.STATE_MISMATCH)
+    assert stage.snapshot("a") == before and stage.state.requests["a"] is old
+
+
+def test_abandoned_new_epoch_leaves_nothing_held(stage):
     a = stage.admit(slot("a", [1, 2, 3], epoch=2))
     stage.state.abandon(a)
-    assert stage.snapshot("a") == before and stage.state.requests["a"] is old
-    assert a.state.kv.capacity == 0
+    assert "a" not in stage.state.requests and a.state.kv.capacity == 0
+    assert stage.pool.used_tokens == sum(st.kv.capacity for st in stage.state.requests.values())
 
 
 def test_abandoned_fresh_request_frees_its_kv():

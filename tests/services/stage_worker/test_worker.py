@@ -36,7 +36,7 @@ class Pipe:
 
     @property
     def used(self) -> tuple[int, int]:
-        return self.w0.pool.used_tokens, self.w1.pool.used_tokens
+        return self.w0.kv_used_tokens(), self.w1.kv_used_tokens()
 
     def held(self, rid: str):
         return tuple((h.held, h.epoch, h.length, h.context_hash) for h in
@@ -205,9 +205,9 @@ def test_digest_binds_slot_hashes(pipe):
     s1.CopyFrom(fwd.slots[1])
     del fwd.slots[:]
     fwd.slots.extend([s1, s0])
-    used = pipe.w1.pool.used_tokens
+    used = pipe.w1.kv_used_tokens()
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.DIGEST_MISMATCH, 1)
-    assert pipe.w1.pool.used_tokens == used == 0 and pipe.w1.state.requests == {}
+    assert pipe.w1.kv_used_tokens() == used == 0 and pipe.w1.state.requests == {}
 
 
 def _forward_of(pipe, reqs) -> stage_pb2.Frame:
@@ -223,7 +223,7 @@ def test_tampered_activation_bytes_at_stage_1(pipe):
     data[100] ^= 0x40
     fwd.activations.data = bytes(data)
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.DIGEST_MISMATCH, 1)
-    assert pipe.w1.pool.used_tokens == 0 and pipe.w1.state.requests == {}
+    assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
 
 
 @pytest.mark.parametrize("corrupt", ["shape", "rows", "dtype", "short"])
@@ -242,7 +242,7 @@ def test_bad_tensor_at_stage_1(pipe, corrupt):
         fwd.activations.data = fwd.activations.data[:-4]
     fwd.payload_digest = frame_digest(fwd)      # the digest is right: only the tensor check can catch it
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
-    assert pipe.w1.pool.used_tokens == 0 and pipe.w1.state.requests == {}
+    assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -254,14 +254,14 @@ def test_non_finite_activations_at_stage_1(pipe, bad):
     for r in reqs:
         r.fed = len(r.ids)
         r.ids.append(70)
-    before_used, before_held = pipe.w1.pool.used_tokens, [pipe.w1.state.held(r.rid) for r in reqs]
+    before_used, before_held = pipe.w1.kv_used_tokens(), [pipe.w1.state.held(r.rid) for r in reqs]
     fwd = _forward_of(pipe, reqs)
     h = tensors.decode(fwd.activations, rows=2, width=fwd.activations.shape[1], dtype="float32").clone()
     h[1, 3] = bad
     fwd.activations.CopyFrom(tensors.encode(h))
     fwd.payload_digest = frame_digest(fwd)
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
-    assert pipe.w1.pool.used_tokens == before_used
+    assert pipe.w1.kv_used_tokens() == before_used
     assert [pipe.w1.state.held(r.rid) for r in reqs] == before_held
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.kv.cache import KVPool, NoCapacity
+from tether.kv.cache import NoCapacity
 from tether.kv.paged import BlockArena, PagedKV
 
 BLOCK = 4
@@ -65,17 +65,51 @@ def test_owner_tags_catch_a_table_pointing_at_someone_elses_block(arena):
     assert arena.owner[b.blocks[0]] == b.serial
 
 
-def test_pool_is_charged_per_block_and_refunded(arena):
-    pool = KVPool(capacity_tokens=3 * BLOCK)
-    kv = PagedKV(arena, pool)
+def test_pool_is_charged_per_block_and_refunded():
+    arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=3)
+    kv = PagedKV(arena)
     kv.ensure(BLOCK + 1)
-    assert pool.used_tokens == 2 * BLOCK
-    other = PagedKV(arena, pool)
+    assert arena.used_blocks == 2
+    other = PagedKV(arena)
     with pytest.raises(NoCapacity):
         other.ensure(2 * BLOCK)
-    assert pool.used_tokens == 2 * BLOCK and other.blocks == []
+    assert arena.used_blocks == 2 and other.blocks == []
     kv.release()
-    assert pool.used_tokens == 0
+    assert arena.used_blocks == 0
+
+
+def test_a_shared_cached_block_survives_its_first_holder_and_is_checked_by_tag(arena):
+    a = PagedKV(arena)
+    a.ensure(2 * BLOCK)
+    fill(arena, a, 7.0)
+    entry = arena.pool.register(a.blocks[0], key=("seed", 1))
+    assert entry is not None
+    b = PagedKV(arena)
+    b.attach([a.blocks[0]])
+    assert b.length == BLOCK and b.tags == [a.serial]
+    a.release()                                # the cached block stays, with its keys, for b
+    assert arena.used_blocks == 1
+    assert bool((arena.k[0][b.blocks[0]] == 7.0).all())
+    arena.verify(torch.tensor(b.blocks), torch.tensor(b.tags))
+    block = b.blocks[0]
+    b.release()                                # nobody holds it: cached, evictable, keys kept
+    assert arena.used_blocks == 0 and arena.pool.lookup(("seed", 1)) == block
+    assert list(arena.pool.evictable) == [block] and arena.owner[block] == a.serial
+
+
+def test_eviction_retags_a_block_so_a_stale_table_cannot_read_it():
+    arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=2)
+    a = PagedKV(arena)
+    a.ensure(BLOCK)
+    block, tag = a.blocks[0], a.tags[0]
+    arena.pool.register(block, key="k")
+    a.release()
+    c = PagedKV(arena)
+    c.ensure(2 * BLOCK)                        # needs both blocks: the cached one is evicted
+    assert arena.pool.counters.evictions == 1 and arena.pool.lookup("k") is None
+    assert block in c.blocks and bool((arena.k[0][block] == 0).all())
+    with pytest.raises(RuntimeError, match="owner tags"):
+        arena.verify(torch.tensor([block]), torch.tensor([tag]))
 
 
 def test_zero_and_scrub_touch_only_the_given_positions(arena):
@@ -117,9 +151,8 @@ def test_gather_returns_the_plain_layout(arena):
 
 
 def test_growth_stops_at_the_pools_capacity():
-    pool = KVPool(capacity_tokens=20 * BLOCK)
     arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=20)
-    kv = PagedKV(arena, pool)
+    kv = PagedKV(arena)
     kv.ensure(10 * BLOCK)
     assert arena.num_blocks == 16
     kv.ensure(17 * BLOCK)                      # past the first 16 blocks: doubling would make 32

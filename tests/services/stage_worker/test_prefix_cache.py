@@ -1,0 +1,169 @@
+"""The stage's prefix cache: a hit gives exactly the bits of a cold prefill, a hit is confirmed by token ids
+(never the key alone), tenants never share blocks, and cached blocks are evicted only when the pool needs
+room (StageWorker.process on real frames through a 2-stage split of the tiny model, no gRPC)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.stage_worker import state as state_module
+from services.stage_worker.worker import StageWorker, frame_digest
+from tether import reference, settings
+from tether.model.loader import load_slice, resolve_model
+from tether.protocol import tensors
+from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
+from tether.v1 import stage_pb2
+
+R = stage_pb2.RejectReason
+BLOCK = settings.ATTENTION_BLOCK
+SHARED = [(7 * i + 3) % 250 + 1 for i in range(2 * BLOCK)]      # two full blocks of a "system prompt"
+PARAMS = reference.sampling_params(max_tokens=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def slices():
+    folder = resolve_model("tiny")
+    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+
+
+def seed_of(tenant: str = "") -> int:
+    return hash_seed(reference.load("tiny").fingerprint, tenant)
+
+
+class Pipe:
+    def __init__(self, slices, capacity: int = 100_000) -> None:
+        self.w = [StageWorker(slices[0], 0, capacity), StageWorker(slices[1], 1, capacity)]
+
+    def run(self, *slots: stage_pb2.Slot) -> tuple[dict[str, stage_pb2.SlotResult], stage_pb2.Frame | None]:
+        """One frame through both stages: every result by request id, and what stage 0 forwarded."""
+        f = stage_pb2.Frame(stream_seq=1, pipeline_epoch=7, slots=list(slots))
+        f.payload_digest = frame_digest(f)
+        out0 = self.w[0].process(f)
+        results = list(out0.results)
+        if out0.forward is not None:
+            results += self.w[1].process(out0.forward).results
+        return {r.stamp.request_id: r for r in results}, out0.forward
+
+    def release(self, *rids: str) -> None:
+        for w in self.w:
+            w.state.release(list(rids))
+
+
+def slot(rid: str, ids: list[int], cached: int = 0, tenant: str = "") -> stage_pb2.Slot:
+    seed = seed_of(tenant)
+    stamp = stage_pb2.Stamp(request_id=rid, epoch=1, position=0, token_ids=ids, parent_hash=context_hash(seed, []),
+                            context_hash=context_hash(seed, ids), sampling_digest=sampling_digest(PARAMS))
+    return stage_pb2.Slot(stamp=stamp, sampling=PARAMS, sample=True, hash_seed=seed, cached_prefix=cached)
+
+
+def last_row(forward: stage_pb2.Frame, hidden: int) -> torch.Tensor:
+    rows = len(forward.activations.data) // (4 * hidden)
+    return tensors.decode(forward.activations, rows=rows, width=hidden, dtype="float32")[-1]
+
+
+def test_a_hit_gives_the_bits_of_a_cold_prefill(slices):
+    hidden = slices[0].cfg.hidden_size
+    warm = Pipe(slices)
+    res, _ = warm.run(slot("a", SHARED + [11, 12]))
+    assert res["a"].ok
+    warm.release("a")                                   # its two full blocks stay, cached
+    assert [w.arena.pool.used for w in warm.w] == [0, 0]
+    assert [len(w.arena.pool.evictable) for w in warm.w] == [2, 2]
+    prompt = SHARED + [42, 43, 44]
+    res, fwd = warm.run(slot("b", prompt, cached=2 * BLOCK))
+    assert res["b"].ok, (R.Name(res["b"].reason), res["b"].detail)
+    assert len(fwd.activations.data) == 3 * hidden * 4   # only the 3 uncached rows travel
+
+    cold = Pipe(slices)
+    res_cold, fwd_cold = cold.run(slot("b", prompt))
+    assert torch.equal(last_row(fwd, hidden), last_row(fwd_cold, hidden))
+    assert (res["b"].token_id, res["b"].token_hash) == (res_cold["b"].token_id, res_cold["b"].token_hash)
+    assert res["b"].token_id == reference.generate_ids(reference.load("tiny"), prompt, PARAMS).output_ids[0]
+    for w in warm.w:
+        c = w.arena.pool.counters
+        assert (c.queries, c.hits, c.hit_blocks) == (1, 1, 2)
+    # and b keeps decoding on the shared blocks (read-only) after the cached prefix
+    held = warm.w[0].state.requests["b"]
+    assert held.length == len(prompt) and held.kv.tags[:2] != [held.kv.serial] * 2
+
+
+def test_a_block_filled_by_decode_is_cached_too(slices):
+    pipe = Pipe(slices)
+    prompt = SHARED[:BLOCK - 1]
+    res, _ = pipe.run(slot("a", prompt))
+    tok = res["a"].token_id
+    seed = seed_of()
+    # one decode step fills the first block
+    stamp = stage_pb2.Stamp(request_id="a", epoch=1, position=BLOCK - 1, token_ids=[tok],
+                            parent_hash=context_hash(seed, prompt), context_hash=context_hash(seed, prompt + [tok]),
+                            sampling_digest=sampling_digest(PARAMS))
+    res, _ = pipe.run(stage_pb2.Slot(stamp=stamp, sampling=PARAMS, sample=True, hash_seed=seed))
+    assert res["a"].ok
+    assert [len(w.arena.pool.entries) for w in pipe.w] == [1, 1]
+    res, _ = pipe.run(slot("b", prompt + [tok, 5], cached=BLOCK))
+    assert res["b"].ok, res["b"].detail
+
+
+def test_a_hit_is_refused_when_the_tokens_differ_even_if_the_key_matches(slices, monkeypatch):
+    pipe = Pipe(slices)
+    res, _ = pipe.run(slot("a", SHARED + [1]))
+    assert res["a"].ok
+    pipe.release("a")
+    real_keys = state_module.block_keys
+    collide = lambda seed, ids, block: real_keys(seed, SHARED[:len(ids)], block)   # noqa: E731 - a stubbed hash
+    monkeypatch.setattr(state_module, "block_keys", collide)
+    other = [t + 1 for t in SHARED]
+    res, _ = pipe.run(slot("b", other + [1], cached=2 * BLOCK))
+    assert res["b"].reason == R.PREFIX_MISS and res["b"].stage_index == 0
+    assert "b" not in pipe.w[0].state.requests
+    assert pipe.w[0].arena.pool.counters.hits == 0 and pipe.w[0].rejections["PREFIX_MISS"] == 1
+    # the same stub with the right tokens is a hit: the refusal came from the token comparison
+    res, _ = pipe.run(slot("c", SHARED + [1], cached=2 * BLOCK))
+    assert res["c"].ok
+
+
+def test_tenants_never_share_a_block(slices, monkeypatch):
+    pipe = Pipe(slices)
+    res, _ = pipe.run(slot("a", SHARED + [1], tenant="acme"))
+    assert res["a"].ok
+    pipe.release("a")
+    res, _ = pipe.run(slot("b", SHARED + [1], cached=2 * BLOCK, tenant="globex"))
+    assert res["b"].reason == R.PREFIX_MISS
+    # even a key forced to collide across tenants is refused: the block's seed is compared as well
+    real_keys = state_module.block_keys
+    monkeypatch.setattr(state_module, "block_keys", lambda seed, ids, block: real_keys(seed_of("acme"), ids, block))
+    res, _ = pipe.run(slot("c", SHARED + [1], cached=2 * BLOCK, tenant="globex"))
+    assert res["c"].reason == R.PREFIX_MISS
+    assert pipe.w[0].arena.pool.counters.hits == 0
+    res, _ = pipe.run(slot("d", SHARED + [1], cached=2 * BLOCK, tenant="acme"))
+    assert res["d"].ok
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first_and_only_for_room(slices):
+    pipe = Pipe(slices, capacity=4 * BLOCK)
+    res, _ = pipe.run(slot("a", SHARED[:BLOCK] + [1]))                       # blocks: a0 (+ a tail)
+    res2, _ = pipe.run(slot("b", SHARED[BLOCK:] + [2]))                      # b0 (+ b tail)
+    assert res["a"].ok and res2["b"].ok
+    pipe.release("a")
+    pipe.release("b")                                                         # a0 older than b0
+    pool = pipe.w[0].arena.pool
+    assert len(pool.evictable) == 2 and pool.counters.evictions == 0
+    res, _ = pipe.run(slot("c", [3] * (3 * BLOCK - 1)))                     # 3 blocks: 2 free + 1 evicted
+    assert res["c"].ok and pool.counters.evictions == 1
+    res, _ = pipe.run(slot("d", SHARED[:BLOCK] + [1], cached=BLOCK))
+    assert res["d"].reason == R.PREFIX_MISS                                  # a0 was the least recently used
+    pipe.release("c")
+    res, _ = pipe.run(slot("e", SHARED[BLOCK:] + [2], cached=BLOCK))
+    assert res["e"].ok                                                        # b0 survived
+
+
+@pytest.mark.parametrize("cached,position,why", [(BLOCK + 1, 0, "multiple"), (2 * BLOCK, 0, "below"),
+                                                 (BLOCK, 3, "position 0")])
+def test_a_malformed_cached_prefix_rejects_the_frame(slices, cached, position, why):
+    pipe = Pipe(slices)
+    s = slot("a", SHARED, cached=cached)
+    s.stamp.position = position
+    res, fwd = pipe.run(s)
+    assert fwd is None and res["a"].reason in (R.BAD_FRAME,) and res["a"].stage_index == 0
+    assert pipe.w[0].state.requests == {}
