@@ -19,6 +19,7 @@ from tether.bench import chaos, engine, report, stats
 from tether.bench.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, levels_of, stage_threads
 from tether.bench.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
+from tether.client import AsyncClient
 
 EPILOG = """examples:
   tether bench --spawn --sweep 1,2,4 --num-requests 32 --audit --out bench-out
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --spawn: run the levels twice on fresh clusters, first with --no-prefix-cache, then "
                         "with the cache, the same requests in both, and report TTFT p50 with ÷ without and the "
                         "hit rate side by side")
+    g.add_argument("--compare-repeats", type=_positive_int, default=1, metavar="N",
+                   help="--compare-prefix-cache: run each level N times per side, alternating which side goes "
+                        "first; repeat k > 1 sends a fresh request sequence (so the cache is not warmed by the "
+                        "previous repeat's identical requests); the summary gives medians (default: %(default)s)")
     g.add_argument("--stage-kv-tokens", type=_positive_int, metavar="TOKENS",
                    help="with --spawn: each stage's KV pool in tokens (the stages' --kv-capacity; default: "
                         "theirs), to put the cluster under KV pressure")
@@ -248,6 +253,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if args.compare_prefix_cache and args.no_prefix_cache:
         raise SystemExit("tether bench: --compare-prefix-cache runs with and without the cache already; "
                          "drop --no-prefix-cache")
+    if args.compare_repeats > 1 and not args.compare_prefix_cache:
+        raise SystemExit("tether bench: --compare-repeats is for --compare-prefix-cache")
     if args.compare_prefix_cache and args.chaos is not None:
         raise SystemExit("tether bench: --compare-prefix-cache and --chaos start clusters of their own: run them "
                          "separately")
@@ -325,66 +332,6 @@ def start_cluster(args: argparse.Namespace, prefix_cache: bool, log_dir: Path) -
     return cluster
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    chaos.check_target_args(args)
-    check_engine_args(args)
-    target_chaos = args.chaos is not None and not args.spawn
-    if target_chaos:
-        args.audit = True     # wrong answers are what the audit finds
-    try:
-        lm = reference.load(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"tether bench: {e}") from None
-    workload = workload_of(args, lm)
-    # One run, or (--compare-prefix-cache) the same levels on two fresh clusters: without the cache, then with.
-    variants = [(engine.CACHE_OFF, False), (engine.CACHE_ON, True)] if args.compare_prefix_cache \
-        else [("", not args.no_prefix_cache)]
-    before: dict = {}
-
-    def read_before() -> None:
-        before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
-
-    levels: list[dict] = []
-    records: list = []
-    rep: dict = {}
-    for i, (variant, prefix_cache) in enumerate(variants):
-        cluster = None
-        if args.spawn:
-            logs = args.out / "logs" / ("cache-on" if prefix_cache else "cache-off") if variant else args.out / "logs"
-            cluster = start_cluster(args, prefix_cache, logs)
-        target = cluster.target if cluster else args.target
-        last = i == len(variants) - 1
-        try:
-            if not rep:
-                rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
-                rep["meta"]["engine"] = engine_meta(args, workload)
-            bench = Bench(args, target, lm, workload, probe_of(args, cluster), variant)
-            levels += asyncio.run(bench.run_levels(read_before if target_chaos else None))
-            records += bench.records
-            if target_chaos:
-                after = chaos.read_stats(args.coordinator, args.stage_addresses)
-                rep["chaos"] = chaos.target_report(before, after, bench.records)
-            if args.baselines and last:
-                rep["baselines"] = bench.run_baselines()
-        finally:
-            if cluster is not None:
-                cluster.stop()
-    rep["levels"] = levels
-    if args.compare_prefix_cache:
-        rep["prefix_cache_compare"] = engine.compare_prefix_cache(levels)
-    if args.spawn and args.chaos is not None:
-        kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
-        print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
-              flush=True)
-        bench.records = records
-        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
-        records = bench.records
-    files = report.write_all(rep, records, args.out)
-    print_summary(rep, files)
-
-
 def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = print) -> None:
     out("")
     out(f"tether bench: {rep['meta']['model']} at {rep['meta']['target']}")
@@ -409,6 +356,10 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
             out(f"prefix cache, {r['level']}: TTFT p50 {report.fmt(r['ttft_p50_ms_off'])} ms without, "
                 f"{report.fmt(r['ttft_p50_ms_on'])} ms with: with ÷ without {report.ratio_text(r['ttft_p50_ratio'])} "
                 f"(target ≤ {cmp['ttft_ratio_target']:g}); hit rate {report.frac(r['hit_rate_on'])} with")
+        for lv in cmp["levels"]:
+            if lv["repeats"] > 1:
+                out(f"prefix cache, {lv['level']}, median of {lv['repeats']}: TTFT p50 with ÷ without "
+                    f"{report.ratio_text(lv['ttft_p50_ratio'])}; hit rate {report.frac(lv['hit_rate_on'])} with")
     b = rep.get("baselines")
     if b:
         ratio = b["ratios"]
@@ -437,3 +388,95 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
     out("report: " + ", ".join(str(f) for f in files))
 
 
+async def compare_levels(args: argparse.Namespace, off: Bench, on: Bench) -> list[dict]:
+    """--compare-prefix-cache: both clusters up at once, each level run on one then the other (the order
+    alternating by repeat), so a change in the machine's load hits both sides alike."""
+    out = []
+    async with AsyncClient(off.target, timeout=args.timeout) as c_off, \
+            AsyncClient(on.target, timeout=args.timeout) as c_on:
+        await off.warm_up(c_off)
+        await on.warm_up(c_on)
+        sides = [(off, c_off), (on, c_on)]
+        for level in levels_of(args):
+            for r in range(args.compare_repeats):
+                suffix = f" #{r + 1}" if args.compare_repeats > 1 else ""
+                for bench, client in (sides if r % 2 == 0 else sides[::-1]):
+                    out.append(await bench.measured_level(client, level, f"levels:{r}" if r else "levels",
+                                                          bench.label(level) + suffix))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    chaos.check_target_args(args)
+    check_engine_args(args)
+    target_chaos = args.chaos is not None and not args.spawn
+    if target_chaos:
+        args.audit = True     # wrong answers are what the audit finds
+    try:
+        lm = reference.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"tether bench: {e}") from None
+    workload = workload_of(args, lm)
+    if args.compare_prefix_cache:
+        rep, records, bench = run_compare(args, argv, lm, workload)
+    else:
+        rep, records, bench = run_one(args, argv, lm, workload, target_chaos)
+    if args.spawn and args.chaos is not None:
+        kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
+        print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
+              flush=True)
+        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
+        records = bench.records
+    files = report.write_all(rep, records, args.out)
+    print_summary(rep, files)
+
+
+def run_one(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel, workload: Workload,
+            target_chaos: bool) -> tuple[dict, list, Bench]:
+    """The levels (and baselines) on one cluster: spawned, or the running one at --target."""
+    cluster = start_cluster(args, not args.no_prefix_cache, args.out / "logs") if args.spawn else None
+    target = cluster.target if cluster else args.target
+    before: dict = {}
+
+    def read_before() -> None:
+        before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
+
+    try:
+        rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
+        rep["meta"]["engine"] = engine_meta(args, workload)
+        bench = Bench(args, target, lm, workload, probe_of(args, cluster))
+        rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
+        if target_chaos:
+            after = chaos.read_stats(args.coordinator, args.stage_addresses)
+            rep["chaos"] = chaos.target_report(before, after, bench.records)
+        if args.baselines:
+            rep["baselines"] = bench.run_baselines()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return rep, bench.records, bench
+
+
+def run_compare(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel,
+                workload: Workload) -> tuple[dict, list, Bench]:
+    """--compare-prefix-cache: two clusters, without and with the cache, the same levels on both; baselines (if
+    asked) on the one with the cache."""
+    clusters: list[LocalCluster] = []
+    try:
+        for name, cache in ((engine.CACHE_OFF, False), (engine.CACHE_ON, True)):
+            clusters.append(start_cluster(args, cache, args.out / "logs" / ("cache-on" if cache else "cache-off")))
+        off, on = (Bench(args, c.target, lm, workload, probe_of(args, c), name)
+                   for c, name in zip(clusters, (engine.CACHE_OFF, engine.CACHE_ON)))
+        rep = dict(meta=meta(args, argv, f"{off.target} (without), {on.target} (with)", lm, clusters[1]),
+                   chaos=chaos.not_requested())
+        rep["meta"]["engine"] = engine_meta(args, workload)
+        rep["levels"] = asyncio.run(compare_levels(args, off, on))
+        rep["prefix_cache_compare"] = engine.compare_prefix_cache(rep["levels"])
+        if args.baselines:
+            rep["baselines"] = on.run_baselines()
+    finally:
+        for c in clusters:
+            c.stop()
+    return rep, off.records + on.records, on

@@ -9,11 +9,14 @@ The pure parts (`parse_proc_stat`, `engine_delta`, `cpu_delta`) are separate fro
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
+
+from tether.bench.stats import median
 
 STATS_TIMEOUT_S = 10.0
 
@@ -246,18 +249,27 @@ def _coord(level: dict, key: str) -> float | None:
     return None if c is None else c.get(key)
 
 
+_VARIANT = re.compile(r"^(?P<level>.*), prefix cache (?P<side>off|on)(?P<repeat> #\d+)?$")
+
+
 def compare_prefix_cache(levels: list[dict]) -> dict:
-    """Pair each level run without the cache with the same level run with it (`Bench.variant` labels them);
-    per pair: TTFT p50 with ÷ without (the issue's figure), E2E p50 and throughput likewise, and both hit rates."""
-    off = [lv for lv in levels if lv["label"].endswith(", " + CACHE_OFF)]
-    on = [lv for lv in levels if lv["label"].endswith(", " + CACHE_ON)]
+    """Pair each level run without the cache with the same level (and repeat) run with it (`Bench.variant`
+    labels them); per pair: TTFT p50 with ÷ without (the issue's figure), E2E p50 and throughput likewise, and
+    both hit rates. `levels` then gives, per load level, the median over its repeats of each pair's ratio."""
+    sides: dict[str, dict[str, dict]] = {"off": {}, "on": {}}
+    for lv in levels:
+        if m := _VARIANT.match(lv["label"]):
+            sides[m["side"]][m["level"] + (m["repeat"] or "")] = lv
     rows = []
-    for a, b in zip(off, on):
+    for key, a in sides["off"].items():
+        b = sides["on"].get(key)
+        if b is None:
+            continue
         sa, sb = a["summary"], b["summary"]
         p50 = {side: s["latency_ms"]["ttft"]["p50"] for side, s in (("off", sa), ("on", sb))}
         e2e = {side: s["latency_ms"]["e2e"]["p50"] for side, s in (("off", sa), ("on", sb))}
         rows.append(dict(
-            level=a["label"].removesuffix(", " + CACHE_OFF),
+            level=key, base_level=_VARIANT.match(a["label"])["level"],
             completed_off=sa["completed"], completed_on=sb["completed"],
             ttft_p50_ms_off=p50["off"], ttft_p50_ms_on=p50["on"], ttft_p50_ratio=ratio(p50["on"], p50["off"]),
             e2e_p50_ms_off=e2e["off"], e2e_p50_ms_on=e2e["on"], e2e_p50_ratio=ratio(e2e["on"], e2e["off"]),
@@ -267,4 +279,17 @@ def compare_prefix_cache(levels: list[dict]) -> dict:
             computed_per_prompt_on=_coord(b, "computed_per_prompt_token"),
             prefill_per_prompt_est_off=_coord(a, "prefill_per_prompt_token_est"),
             prefill_per_prompt_est_on=_coord(b, "prefill_per_prompt_token_est")))
-    return dict(order=[CACHE_OFF, CACHE_ON], ttft_ratio_target=TTFT_RATIO_TARGET, rows=rows)
+    per_level: dict[str, list[dict]] = {}
+    for r in rows:
+        per_level.setdefault(r["base_level"], []).append(r)
+
+    def med(group: list[dict], key: str) -> float | None:
+        values = [r[key] for r in group if r[key] is not None]
+        return median(values) if values else None
+
+    summary = [dict(level=name, repeats=len(group), ttft_p50_ratio=med(group, "ttft_p50_ratio"),
+                    e2e_p50_ratio=med(group, "e2e_p50_ratio"), hit_rate_on=med(group, "hit_rate_on"),
+                    computed_per_prompt_on=med(group, "computed_per_prompt_on"),
+                    computed_per_prompt_off=med(group, "computed_per_prompt_off"))
+               for name, group in per_level.items()]
+    return dict(order=[CACHE_OFF, CACHE_ON], ttft_ratio_target=TTFT_RATIO_TARGET, rows=rows, levels=summary)

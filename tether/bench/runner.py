@@ -94,21 +94,28 @@ class Bench:
             if after_warm_up is not None:
                 after_warm_up()
             for level in levels_of(self.args):
-                load_before = os.getloadavg()[0]
-                if self.probe is not None:
-                    self.probe.before()
                 # Every level sends the same request sequence with the same arrival pattern (scaled to its
                 # rate), so levels differ only in their load: common random numbers, the fair way to compare.
-                run = await self.level(client, level, budget_of(self.args), "levels", self.label(level))
-                # Read right after the load, before the audit's own CPU lands in the window.
-                measured = self.probe.after() if self.probe is not None else None
-                for rec in run.records:
-                    rec.level = self.label(level)
-                self.records += run.records
-                out.append(self.level_report(run, load_before, measured))
+                out.append(await self.measured_level(client, level))
         return out
 
-    def level_report(self, run: loadgen.LevelRun, load_before: float, measured: dict | None = None) -> dict:
+    async def measured_level(self, client: AsyncClient, level: loadgen.Level, key: str = "levels",
+                             label: str | None = None) -> dict:
+        """One level with its engine figures (when probed) and audit: its report; its records join `records`."""
+        label = label or self.label(level)
+        load_before = os.getloadavg()[0]
+        if self.probe is not None:
+            self.probe.before()
+        run = await self.level(client, level, budget_of(self.args), key, label)
+        # Read right after the load, before the audit's own CPU lands in the window.
+        measured = self.probe.after() if self.probe is not None else None
+        for rec in run.records:
+            rec.level = label
+        self.records += run.records
+        return self.level_report(run, load_before, measured, label)
+
+    def level_report(self, run: loadgen.LevelRun, load_before: float, measured: dict | None = None,
+                     label: str | None = None) -> dict:
         slo = self.args.slo
         audit_json = None
         if self.args.audit:
@@ -121,7 +128,7 @@ class Bench:
             if engine is not None:
                 # The prompt tokens the receipts counted: a cross-check of the coordinator's prompt_tokens.
                 engine["client_prompt_tokens"] = sum(r.prompt_tokens for r in run.records if r.ok)
-        return dict(label=self.label(run.level), mode=run.level.mode, rate=run.level.rate,
+        return dict(label=label or self.label(run.level), mode=run.level.mode, rate=run.level.rate,
                     concurrency=run.level.concurrency, load_average=[load_before, os.getloadavg()[0]],
                     summary=stats.level_summary(run.records, run.wall_s, slo),
                     by_workload=stats.breakdown(run.records, lambda r: r.request.workload, run.wall_s, slo),

@@ -225,3 +225,28 @@ def test_levels_without_engine_figures_add_nothing():
     lv = level("rate 1/s", [100], 0.0)
     lv["engine"] = lv["cpu"] = None
     assert report.engine_rows([lv]) == [] and report._engine_level_md(lv) == []
+
+
+def test_compare_with_repeats_pairs_each_repeat_and_takes_medians():
+    levels = []
+    for r, (off, on) in enumerate(((100, 30), (200, 40), (100, 90))):
+        levels += [level(f"rate 1/s, prefix cache off #{r + 1}", [off], 0.0),
+                   level(f"rate 1/s, prefix cache on #{r + 1}", [on], 0.8)]
+    levels.insert(1, level("rate 2/s, prefix cache off #1", [50], 0.0))     # unpaired: left out
+    cmp = engine.compare_prefix_cache(levels)
+    assert [r["level"] for r in cmp["rows"]] == ["rate 1/s #1", "rate 1/s #2", "rate 1/s #3"]
+    (summary,) = cmp["levels"]
+    assert summary["level"] == "rate 1/s" and summary["repeats"] == 3
+    assert summary["ttft_p50_ratio"] == pytest.approx(0.3)     # median of 0.3, 0.2, 0.9
+    assert "Medians over the repeats" in "\n".join(report._compare_md(cmp))
+
+
+def test_compare_repeats_need_the_comparison():
+    with pytest.raises(SystemExit, match="--compare-repeats is for"):
+        check_engine_args(build_parser().parse_args(["--spawn", "--compare-repeats", "3"]))
+
+
+def test_worker_processes_fold_into_their_service():
+    procs = {"admission": dict(busy_fraction=0.2), "admission/child-7": dict(busy_fraction=0.3),
+             "stage0": dict(busy_fraction=0.5), "stage0/child-9": dict(busy_fraction=None)}
+    assert report.fold_children(procs) == {"admission": pytest.approx(0.5), "stage0": None}
