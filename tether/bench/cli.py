@@ -344,7 +344,7 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
     rows = report.engine_rows(rep["levels"])
     if rows:
         out("engine (Δ Stats per level; CPU busy = CPU time ÷ wall, bench = this client):")
-        header = ["level", "hit rate", "computed/prompt", "preempt", "NO_CAPACITY", "stage busy", "KV blocks end",
+        header = ["level", "hit rate", "computed/prompt", "preempt", "NO_CAPACITY coord/stages", "stage busy", "KV blocks end",
                   "CPU bench", "CPU services"]
         rows = [[r[0], r[1], r[3], r[5], r[6], r[8], r[9], r[10], r[11]] for r in rows]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]

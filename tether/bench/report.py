@@ -148,7 +148,7 @@ def fold_children(procs: dict[str, dict]) -> dict[str, float | None]:
 
 
 ENGINE_HEADER = ["level", "prefix hit rate", "hit tokens", "computed ÷ prompt", "prefill ÷ prompt (est.)",
-                 "preemptions", "NO_CAPACITY", "rejections (all)", "stage busy", "KV blocks end used/cached/total",
+                 "preemptions", "NO_CAPACITY coordinator / stages", "rejections (coordinator)", "stage busy", "KV blocks end used/cached/total",
                  "CPU busy: bench", "CPU busy: services"]
 
 
@@ -162,16 +162,15 @@ def engine_rows(levels: list[dict]) -> list[list[str]]:
             continue
         c = (e or {}).get("coordinator") or {}
         stages = [s for s in (e or {}).get("stages", []) if s]
-        rejections: dict[str, int] = {}
-        for side in [c, *stages]:
-            for k, v in side.get("rejections", {}).items():
-                rejections[k] = rejections.get(k, 0) + v
+        # A slot a stage rejects is counted there and again by the coordinator that rebuilds it: kept apart.
+        at_stages = sum(s.get("rejections", {}).get("NO_CAPACITY", 0) for s in stages)
+        no_capacity = f"{fmt(c.get('rejections', {}).get('NO_CAPACITY', 0) if c else None)} / {at_stages}"
         procs = (cpu or {}).get("processes", {})
         services = [f"{n} {frac(f)}" for n, f in fold_children(procs).items() if n != "bench"]
         rows.append([lv["label"], frac(c.get("prefix_hit_rate")), fmt(c.get("prefix_hit_tokens")),
                      frac(c.get("computed_per_prompt_token")), frac(c.get("prefill_per_prompt_token_est")),
-                     fmt(c.get("preemptions")), fmt(rejections.get("NO_CAPACITY", 0) if e else None),
-                     _counts(rejections) if e else "–",
+                     fmt(c.get("preemptions")), no_capacity if e else "–",
+                     _counts(c.get("rejections", {})) if c else "–",
                      ", ".join(frac(s["busy_fraction"]) for s in stages) or "–",
                      _blocks(c) if c else "–",
                      frac(procs.get("bench", {}).get("busy_fraction")), ", ".join(services) or "–"])
@@ -183,8 +182,8 @@ def _engine_summary_md(report: dict) -> list[str]:
     if not rows:
         return []
     return ["## Engine", "",
-            "From the coordinator's and stages' Stats before and after each level (rejections: coordinator and "
-            "stages together), and each process's CPU time ÷ the level's wall time (1.00 = one core; "
+            "From the coordinator's and stages' Stats before and after each level (a slot a stage rejects is "
+            "counted there and again at the coordinator: NO_CAPACITY shows both), and each process's CPU time ÷ the level's wall time (1.00 = one core; "
             "`bench` is this client). A figure whose denominator is 0 shows –.", "",
             *_table(ENGINE_HEADER, rows), ""]
 
