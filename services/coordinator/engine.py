@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.scheduler import Request, Scheduler
 from tether import settings
@@ -65,6 +66,7 @@ class Counters:
     resumes: int = 0
     recovered: int = 0
     reconnects: int = 0
+    prefix_misses: int = 0
     rejections: Counter = field(default_factory=Counter)   # reason name -> slots
 
 
@@ -73,7 +75,7 @@ class Engine:
                  max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
                  recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS,
                  stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None,
-                 stream_idle_s: float = settings.STREAM_IDLE_S):
+                 stream_idle_s: float = settings.STREAM_IDLE_S, prefix_cache: bool = True):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
         self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
@@ -81,6 +83,8 @@ class Engine:
         self.recovery_window_s = recovery_window_s
         self.max_rebuilds = max_rebuilds
         self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
+        self.prefix_cache = prefix_cache     # send cached prefixes the stages hold (False: --no-prefix-cache)
+        self.step_seconds = 0.0              # recent mean time from a frame's send to its reply
         self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
@@ -130,8 +134,14 @@ class Engine:
             if q is not None:
                 q.put_nowait(failure)
         if started and not req.in_flight:
-            self.to_release.append(req.id)
+            self._queue_release(req.id)
         self.wake.set()
+
+    def _queue_release(self, request_id: str) -> None:
+        """Free a request's state on every stage (soon, from the feed loop); the ledger counts its blocks held
+        until every stage has answered."""
+        self.sched.ledger.release_begin(request_id)
+        self.to_release.append(request_id)
 
     # --- the loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -164,10 +174,16 @@ class Engine:
             await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
 
     def _apply_stage_limits(self) -> None:
-        """Never send a frame a stage said (at handshake) it would refuse."""
+        """Never send a frame a stage said (at handshake) it would refuse, nor a block it cannot hold."""
         slots, rows = self.pipeline.frame_limits()
         self.sched.max_slots = min(self.max_slots, slots) if slots else self.max_slots
         self.sched.max_tokens = min(self.max_tokens, rows) if rows else self.max_tokens
+        blocks = [(s.kv_capacity_tokens, s.kv_block_tokens) for s in self.pipeline.stages]
+        if blocks and all(b for _, b in blocks) and len({b for _, b in blocks}) == 1:
+            block = blocks[0][1]
+            self.sched.ledger.configure(min(c // block for c, _ in blocks), block, self.prefix_cache)
+        else:   # plain kernels (an experiment): no paged blocks to mirror, no prefix cache
+            self.sched.ledger.configure(UNBOUNDED, self.sched.ledger.block, False)
 
     async def crashed(self, error: BaseException) -> None:
         """The loop died of an unexpected error (a bug, a peer answering outside the contract): fail every
@@ -191,6 +207,8 @@ class Engine:
                 await self.pipeline.release(ids)
             except Exception:   # noqa: BLE001 - best effort; the stages' leases are the backstop
                 log.warning("release of %d request(s) after the crash failed", len(ids))
+            for rid in ids:
+                self.sched.released(rid)
 
     def _not_serving(self) -> None:
         if self.serving and self.on_serving is not None:
@@ -213,7 +231,7 @@ class Engine:
             for req in batch:
                 req.in_flight = False
                 if req.done:   # cancelled while its frame was in flight: nothing else will release it
-                    self.to_release.append(req.id)
+                    self._queue_release(req.id)
         self.frames.clear()
         self.sched.frames_in_flight = 0
 
@@ -233,7 +251,10 @@ class Engine:
     async def _feed(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), self.keepalive_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives as
+                # the event is set, and a feed loop that outlives its cancellation hangs the shutdown
+                async with asyncio.timeout(self.keepalive_s):
+                    await self.wake.wait()
             except TimeoutError:
                 if not self.frames:   # idle: an empty frame keeps the stages from closing the stream
                     self.frames[self.pipeline.seq + 1] = (time.monotonic(), [])
@@ -244,10 +265,29 @@ class Engine:
                 ids, self.to_release = self.to_release, []
                 self._spawn(self._release(ids))
             while batch := self.sched.next_batch():
+                self._after_schedule()
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
-                                        hash_seed=r.seq.hash_seed) for r in batch]
+                                        hash_seed=r.seq.hash_seed, cached_prefix=r.cached) for r in batch]
                 self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
                 await self.pipeline.send(slots)
+            self._after_schedule()
+            if self.to_release:
+                ids, self.to_release = self.to_release, []
+                self._spawn(self._release(ids))
+
+    def _after_schedule(self) -> None:
+        """What scheduling decided besides the batch: Releases for the preempted, failures for the requests
+        no stage could ever hold."""
+        s = self.sched
+        for req in s.preempted:
+            log.info("request %s preempted: KV blocks are needed by an older or higher-priority request", req.id)
+            self.to_release.append(req.id)     # its blocks are already `releasing` in the ledger
+        s.preempted.clear()
+        for req in s.impossible:
+            self._finish(req, Failure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"request needs {req.final_positions} context positions of KV; this "
+                                      f"pipeline's stages hold at most {s.ledger.capacity * s.ledger.block}"))
+        s.impossible.clear()
 
     async def _release(self, ids: list[str]) -> None:
         """Release on every stage; ids a stage failed to release are queued again, a few times at most."""
@@ -255,6 +295,7 @@ class Engine:
         for rid in ids:
             if rid not in failed:
                 self.release_attempts.pop(rid, None)
+                self.sched.released(rid)
                 continue
             attempts = self.release_attempts.get(rid, 0) + 1
             if attempts < RELEASE_ATTEMPTS:
@@ -262,9 +303,9 @@ class Engine:
                 self.to_release.append(rid)
             else:
                 self.release_attempts.pop(rid, None)
+                self.sched.released(rid)   # the stages' leases free it; the ledger cannot wait that long
                 log.warning("release of %s failed %d times; the stages' lease will free it", rid, attempts)
-        if failed:
-            self.wake.set()
+        self.wake.set()                    # freed blocks may let waiting requests start
 
     async def _receive(self) -> None:
         async for reply in self.pipeline.replies():
@@ -272,9 +313,10 @@ class Engine:
             if entry is None:
                 log.warning("reply to unknown or expired frame %d ignored", reply.stream_seq)
                 continue
-            _, batch = entry
+            sent_at, batch = entry
             if batch:                  # an empty batch is a keep-alive, never counted as in flight
                 self.sched.frame_done()
+                self.step_seconds += 0.05 * (time.monotonic() - sent_at - self.step_seconds)
             by_id: dict[str, stage_pb2.SlotResult] = {}
             for res in reply.results:
                 by_id.setdefault(res.stamp.request_id, res)   # a duplicate result never overrides the first
@@ -286,26 +328,28 @@ class Engine:
         """Apply one slot's result: append the token only if the echo is exactly what was sent."""
         if req.done:   # cancelled while in flight
             req.in_flight = False
-            self.to_release.append(req.id)
+            self._queue_release(req.id)
             return
         if res is None:
             self._rebuild(req, "FRAME_LOST", "no result for the slot")
         elif self.stamp_checks and not req.echo_matches(res.stamp):
             self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
+        elif not res.ok and res.reason == R.PREFIX_MISS and req.cached:
+            self._prefix_miss(req, f"stage {res.stage_index}: {res.detail}")
         elif not res.ok:
             self._rebuild(req, reason_name(res.reason), f"stage {res.stage_index}: {res.detail}")
         elif not req.samples:
             if res.has_token:
                 self._rebuild(req, "ECHO_MISMATCH", "a token came back for a prefill chunk")
             else:
-                req.confirm()          # a prefill chunk landed on every stage; the next chunk follows
+                self.sched.confirmed(req)   # a prefill chunk landed on every stage; the next chunk follows
         elif not res.has_token:
             self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
         elif self.stamp_checks and res.token_hash != token_hash(req.seq.hasher.peek([res.token_id]), req.id,
                                                                 req.sampling_digest):
             self._rebuild(req, "TOKEN_HASH_MISMATCH", "the token does not extend the chain it was sampled from")
         else:
-            req.confirm()
+            self.sched.confirmed(req)
             out: TokenOut = req.seq.append(res.token_id)
             self.counters.tokens += 1
             q = self.sinks.get(req.id)
@@ -316,6 +360,17 @@ class Engine:
                 if req.recoveries:
                     self.counters.recovered += 1
                 self._finish(req, None)
+
+    def _prefix_miss(self, req: Request, detail: str) -> None:
+        """A stage could not confirm the cached prefix the ledger predicted: replay the request cold (not
+        charged to its budget: a cold replay cannot miss again), and forget the mirrored cache, which is
+        evidently out of step with the stages'."""
+        self.counters.rejections["PREFIX_MISS"] += 1
+        self.counters.prefix_misses += 1
+        log.info("request %s: PREFIX_MISS (%s); replaying it cold", req.id, detail)
+        self.sched.ledger.rebuild(req.id)
+        self.sched.ledger.pool.drop_cache()
+        req.rebuild(charge=False)
 
     def _rebuild(self, req: Request, reason: str, detail: str) -> None:
         """Replay the request's whole context under a new epoch, within its budget; else fail it explicitly."""
@@ -328,13 +383,14 @@ class Engine:
                                             f"rebuilds and {req.resumes} resumes; last: {reason}: {detail}"))
             return
         self.counters.rebuilds += 1
+        self.sched.ledger.rebuild(req.id)
         req.rebuild()   # tokens already sent stay as they are: they are replayed as context
 
     async def _resync(self, reqs: list[Request]) -> None:
         """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
         for r in reqs:
             if r.fed == 0 and not r.done:   # nothing confirmed yet: send it again; stamps catch any leftovers
-                r.in_flight, r.sent = False, None
+                r.in_flight, r.sent, r.cached = False, None, 0
         reqs = [r for r in reqs if r.fed > 0 and not r.done]
         if not reqs:
             self.wake.set()
@@ -374,7 +430,7 @@ class Engine:
                 for r in batch:
                     if r.done:
                         r.in_flight = False
-                        self.to_release.append(r.id)
+                        self._queue_release(r.id)
             if lost:
                 log.warning("%d frame(s) unanswered for %.1fs: syncing %d request(s)", len(late),
                             self.frame_timeout_s, len(lost))

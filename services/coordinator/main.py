@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the request ends with "
                         "DEADLINE_EXCEEDED and its state is released (default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="never start a request from the stages' prefix cache: every prompt is prefilled whole (for "
+                        "comparisons; the stages still cache, and the KV accounting is unchanged)")
     add_experiment_flags(p, "the frames this coordinator sends")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return p
@@ -66,7 +69,8 @@ async def serve(args: argparse.Namespace) -> None:
                              max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES)
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
-                    on_serving=server.set_serving, stream_idle_s=args.stream_idle)
+                    on_serving=server.set_serving, stream_idle_s=args.stream_idle,
+                    prefix_cache=not args.no_prefix_cache)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds),
         server.server)

@@ -2,6 +2,11 @@
 
 The coordinator is the single writer of each request's sequence. A request has at most one frame in
 flight; new requests join at any step boundary; up to S micro-batches (one per stage) are kept in flight.
+
+KV-aware (services/coordinator/ledger.py): a request enters the running set only when its whole context fits
+in every stage's pool, starting from the longest prefix the stages have cached; when decode growth runs out
+of blocks, the lowest-priority, youngest request is preempted (its blocks released, its context recomputed
+later, exactly, by batch invariance) instead of a stage refusing it.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.coordinator.ledger import BlockLedger
 from tether.engine.sequence import Sequence
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
@@ -17,7 +23,7 @@ from tether.v1 import stage_pb2
 PRIORITY_ORDER = {"critical": 0, "standard": 1, "sheddable": 2}
 
 
-@dataclass
+@dataclass(eq=False)   # identity: two requests are never the same request
 class Request:
     seq: Sequence
     tenant: str = ""
@@ -30,11 +36,17 @@ class Request:
     resumes: int = 0                   # resumes after a sync so far (they count against the same budget)
     done: bool = False                 # finished, failed or cancelled: never scheduled again
     sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
+    cached: int = 0                    # leading tokens of `sent` the stages take from their prefix cache
+    arrival: int = 0                   # order of submission (preemption takes the youngest first)
+    no_prefix: bool = False            # replay cold: a rebuild, or a cached prefix a stage could not confirm
+    preempted: bool = False            # waiting again after a preemption
+    releasing: bool = False            # preempted, and its Release not answered yet: not schedulable
 
     def __post_init__(self) -> None:
         if self.fed_hash is None:
             self.fed_hash = ContextHasher(self.seq.hash_seed)
         self.sampling_digest = sampling_digest(self.seq.sampling)
+        self.block_ends: list[int] = []   # the confirmed chain's value at each full block's end (the ledger's keys)
 
     @property
     def resumed(self) -> bool:
@@ -54,10 +66,11 @@ class Request:
         """Context tokens the stages do not hold yet."""
         return len(self.seq.all_ids) - self.fed
 
-    def stamp(self, limit: int | None = None) -> stage_pb2.Stamp:
+    def stamp(self, limit: int | None = None, cached: int = 0) -> stage_pb2.Stamp:
         """The stamp for the next frame: the next `limit` context tokens the stages do not hold (all by
-        default). A stamp that stops short of the end is a prefill chunk: no token is sampled after it."""
-        ids = self.seq.all_ids[self.fed:self.fed + limit] if limit else self.seq.all_ids[self.fed:]
+        default), after `cached` tokens the stages take from their prefix cache. A stamp that stops short of
+        the end is a prefill chunk: no token is sampled after it."""
+        ids = self.seq.all_ids[self.fed:self.fed + cached + limit] if limit else self.seq.all_ids[self.fed:]
         return stage_pb2.Stamp(request_id=self.id, epoch=self.epoch, position=self.fed, token_ids=ids,
                                parent_hash=self.fed_hash.value, context_hash=self.fed_hash.peek(ids),
                                sampling_digest=self.sampling_digest)
@@ -73,21 +86,63 @@ class Request:
                 and echo.position == s.position and echo.parent_hash == s.parent_hash
                 and echo.context_hash == s.context_hash and echo.sampling_digest == s.sampling_digest)
 
-    def confirm(self) -> None:
-        """The frame in flight was processed by every stage: they now hold what it carried."""
-        self.fed_hash.extend(self.sent.token_ids)
+    def confirm(self, block: int = 0) -> None:
+        """The frame in flight was processed by every stage: they now hold what it carried. With `block`,
+        note the chain's value at each block end it crossed."""
+        ids = self.sent.token_ids
+        at = 0
+        while block and at < len(ids):
+            take = min(len(ids) - at, block - self.fed_hash.length % block)
+            value = self.fed_hash.extend(ids[at:at + take])
+            at += take
+            if self.fed_hash.length % block == 0:
+                self.block_ends.append(value)
+        if at < len(ids):
+            self.fed_hash.extend(ids[at:])
         self.fed = self.fed_hash.length
         self.sent = None
+        self.cached = 0
         self.in_flight = False
 
-    def rebuild(self) -> None:
+    def restart(self) -> None:
         """Start this request's state over under a new epoch: the whole context is replayed."""
         self.epoch += 1
         self.fed = 0
         self.fed_hash = ContextHasher(self.seq.hash_seed)
+        self.block_ends = []
         self.sent = None
+        self.cached = 0
         self.in_flight = False
-        self.retries += 1
+
+    def rebuild(self, charge: bool = True) -> None:
+        """Replay after something went wrong (counted against the recovery budget unless `charge` is False),
+        cold: no cached prefix."""
+        self.restart()
+        self.no_prefix = True
+        if charge:
+            self.retries += 1
+
+    @property
+    def final_positions(self) -> int:
+        """Context positions the stages hold at most for this request (prompt + every output but the last)."""
+        return min(len(self.seq.prompt_ids) + self.seq.sampling.max_tokens - 1, self.seq.max_context)
+
+
+@dataclass
+class EngineFigures:
+    """What the scheduler counts for Stats (docs/ARCHITECTURE.md "KV-aware scheduling")."""
+
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0             # context tokens of requests started (or restarted after a preemption)
+    computed_tokens: int = 0           # context positions sent to be computed
+
+
+def rank(req: Request) -> tuple[int, int]:
+    """Preemption order: the lowest priority, then the youngest, goes first."""
+    return PRIORITY_ORDER.get(req.priority, 1), req.arrival
 
 
 @dataclass
@@ -98,8 +153,17 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, Request] = field(default_factory=dict)
     frames_in_flight: int = 0
+    ledger: BlockLedger = field(default_factory=BlockLedger)
+    figures: EngineFigures = field(default_factory=EngineFigures)
+    # Filled by next_batch for the engine: requests preempted (their Release to send) and requests that can
+    # never fit in the route's KV (to fail).
+    preempted: list[Request] = field(default_factory=list)
+    impossible: list[Request] = field(default_factory=list)
+    _arrivals: int = 0
 
     def add(self, req: Request) -> None:
+        self._arrivals += 1
+        req.arrival = self._arrivals
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -113,6 +177,24 @@ class Scheduler:
     def has_room(self) -> bool:
         return self.frames_in_flight < self.num_stages
 
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for r in self.waiting if r.preempted)
+
+    def confirmed(self, req: Request) -> None:
+        """The frame of `req` landed on every stage: note it, and cache its new full blocks as they do."""
+        start = len(req.block_ends)
+        req.confirm(self.ledger.block)
+        self.ledger.register(req.id, req.seq.hash_seed, req.block_ends, start)
+
+    def released(self, request_id: str) -> None:
+        """Every stage answered the Release of `request_id`: its blocks are free, and if it was preempted it
+        may start again."""
+        self.ledger.release_done(request_id)
+        for req in self.waiting:
+            if req.id == request_id and req.releasing:
+                req.releasing = False
+
     def next_batch(self) -> list[Request]:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
@@ -121,45 +203,110 @@ class Scheduler:
         in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
         invisible in the output), so long prompts never stall the decodes batched with them; while requests
         wait, a chunk takes at most half the rows, so a long prompt never stalls a short one behind it either.
+        Every frame's positions are held in the ledger before it is sent.
         """
         if not self.has_room():
             return []
         active = len(self.running) + len(self.waiting)
         share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
-        batch: list[tuple[Request, int]] = []
+        batch: list[Request] = []
         tokens = 0
         # Running requests first, in order (none of them can starve). While requests wait, running prefill
         # chunks take at most half the frame's rows (decodes always fit), so long prompts never hold every
         # frame while a short request waits to start.
         prefill_rows = self.max_tokens - (self.max_tokens // 2 if self.waiting else 0)
-        for req in self.running.values():
+        for req in list(self.running.values()):
             if len(batch) >= share or tokens >= self.max_tokens:
                 break
-            if req.in_flight or req.done:
+            if req.in_flight or req.done or req.id not in self.running:
                 continue
             n = min(req.pending, self.max_tokens - tokens)
             if n > 1:
                 n = min(n, prefill_rows - tokens)
                 if n < 1:
                     continue
-            batch.append((req, n))
+            if not self._make_room(req, req.fed + n, batch):
+                continue
+            self.ledger.hold(req.id, req.fed + n)
+            req.sent, req.cached = req.stamp(n), 0
+            batch.append(req)
             tokens += n
         if self.waiting:
             ordered = sorted(self.waiting, key=lambda r: PRIORITY_ORDER.get(r.priority, 1))  # stable: FIFO within
             for req in ordered:
                 if len(batch) >= share or tokens >= self.max_tokens:
                     break
-                n = min(req.pending, self.max_tokens - tokens)
-                self.waiting.remove(req)
-                self.running[req.id] = req
-                batch.append((req, n))
+                if req.releasing:
+                    break              # its room is on the way back: nobody behind it takes it first
+                if not self.ledger.fits(req.final_positions):
+                    self.waiting.remove(req)
+                    self.impossible.append(req)
+                    continue
+                n = self._start(req, self.max_tokens - tokens)
+                if n is None:
+                    break              # the head does not fit yet: FIFO within priority, nobody overtakes
+                batch.append(req)
                 tokens += n
-        for req, n in batch:
+        for req in batch:
             req.in_flight = True
-            req.sent = req.stamp(n)
+            self.figures.computed_tokens += len(req.sent.token_ids) - req.cached
         if batch:
             self.frames_in_flight += 1
-        return [req for req, _ in batch]
+        return batch
+
+    def _start(self, req: Request, rows: int) -> int | None:
+        """Move a waiting request into the running set if its whole context fits (after its cached prefix);
+        its first frame's stamp is set. Returns the rows that frame computes, or None if it must wait."""
+        ids = req.seq.all_ids
+        consult = self.ledger.caching and not req.no_prefix and len(ids) > self.ledger.block
+        prefix = self.ledger.cached_prefix(req.seq.hash_seed, ids) if consult else []
+        if not self.ledger.can_hold(req.id, len(ids), prefix):
+            return None
+        cached = len(prefix) * self.ledger.block
+        if prefix:
+            self.ledger.attach(req.id, prefix)
+        self.ledger.hold(req.id, len(ids))
+        self.waiting.remove(req)
+        self.running[req.id] = req
+        req.preempted = False
+        n = min(len(ids) - cached, rows)
+        req.sent, req.cached = req.stamp(n, cached), cached
+        f = self.figures
+        f.prompt_tokens += len(ids)
+        if consult:
+            f.prefix_queries += 1
+            if cached:
+                f.prefix_hits += 1
+                f.prefix_hit_tokens += cached
+        return n
+
+    def _make_room(self, req: Request, positions: int, batch: list[Request]) -> bool:
+        """Make the ledger able to hold `positions` of `req`, preempting the lowest-priority, youngest running
+        request (not in flight, not in this batch) while it cannot; False if `req` itself must yield or wait
+        for frames in flight to come back."""
+        while not self.ledger.can_hold(req.id, positions):
+            if self.ledger.need(req.id, positions) <= self.ledger.pool.available + self.ledger.coming_back():
+                return False           # a preemption's Release is under way: wait for it, preempt no one else
+            taken = {id(r) for r in batch}
+            candidates = [r for r in self.running.values() if not r.in_flight and not r.done and id(r) not in taken]
+            if not candidates:
+                return False
+            victim = max(candidates, key=rank)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release `req`'s blocks and send it back to the front of the queue; it is recomputed from its tokens
+        later (a new epoch, not charged to its recovery budget)."""
+        del self.running[req.id]
+        self.ledger.release_begin(req.id)
+        req.restart()
+        req.preempted = req.releasing = True
+        self.waiting.appendleft(req)
+        self.preempted.append(req)
+        self.figures.preemptions += 1
 
     def frame_done(self) -> None:
         self.frames_in_flight -= 1

@@ -94,6 +94,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Stats(self, request, context):
         e, c = self.engine, self.engine.counters
+        f, ledger = e.sched.figures, e.sched.ledger
         return coordinator_pb2.StatsReply(
             serving=e.serving, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
             running=len(e.sched.running), waiting=len(e.sched.waiting), tokens_generated=c.tokens,
@@ -101,4 +102,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings,
             rejections=dict(c.rejections), rebuilds=c.rebuilds, resumes=c.resumes, recovered=c.recovered,
             pipeline_reconnects=c.reconnects, stamp_checks=e.stamp_checks,
-            faults_injected={k: v for k, v in e.pipeline.faults.counts.items() if v})
+            faults_injected={k: v for k, v in e.pipeline.faults.counts.items() if v},
+            preempted=e.sched.num_preempted, preemptions=f.preemptions, kv_blocks_used=ledger.used,
+            kv_blocks_cached=ledger.cached, kv_blocks_total=min(ledger.capacity, 2**32 - 1),
+            prefix_queries=f.prefix_queries, prefix_hits=f.prefix_hits, prefix_hit_tokens=f.prefix_hit_tokens,
+            prefix_misses=c.prefix_misses, prompt_tokens=f.prompt_tokens, computed_tokens=f.computed_tokens,
+            step_seconds=e.step_seconds, prefix_cache=e.prefix_cache)
