@@ -130,6 +130,8 @@ class StageState:
         if held.kv.owner != rid or held.kv_tag != held.hasher.value:
             raise Rejected(R.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
         ids = list(st.token_ids)
+        if cached and not fresh:
+            raise Rejected(R.BAD_FRAME, "a cached prefix can only start a new state")
         blocks = self._cached_blocks(slot.hash_seed, ids, cached) if cached else []
         if replaces is not None:
             # The replay must not need room the old epoch's blocks hold (the coordinator's ledger counts
