@@ -198,6 +198,11 @@ class Engine:
         for req in self.active():
             req.in_flight = False
             self._finish(req, Failure(grpc.StatusCode.INTERNAL, f"{why}; the request was stopped"))
+        for _, batch in self.frames.values():
+            for req in batch:
+                if req.in_flight and req.done:   # cancelled while its frame was in flight: release it too
+                    req.in_flight = False
+                    self._queue_release(req.id)
         self.frames.clear()
         self.sched.frames_in_flight = 0
         self.down_since = None

@@ -65,3 +65,29 @@ def test_an_unknown_reject_reason_is_a_rebuild_not_a_crash(kit):
     assert pipe.connects == 1                                     # the loop never died
     assert engine.counters.rejections["UNKNOWN_REASON_99"] == 3   # first try + 2 rebuilds
     assert failure.code == grpc.StatusCode.ABORTED and "UNKNOWN_REASON_99" in failure.message
+
+
+def test_a_request_cancelled_with_its_frame_in_flight_is_released_when_the_loop_crashes(kit):
+    def answer(conn, seq, slots):
+        if conn == 1 and seq == 2:
+            return RuntimeError("a peer answered outside the contract")
+        return None                                   # frame 1 (r1's) is never answered
+
+    async def go():
+        pipe = kit.FakePipeline(answer)
+        pipe.num_stages = 2                           # room for r2's frame while r1's is out
+        engine = Engine(pipe)
+        task = supervise.start("engine", engine.run, engine.crashed, restart_s=0)
+        await kit.until(lambda: engine.serving)
+        engine.submit(kit.request("r1"))
+        await kit.until(lambda: pipe.seq >= 1)
+        assert engine.cancel("r1")                    # its frame is still in flight: nothing released yet
+        assert "r1" not in pipe.released
+        engine.submit(kit.request("r2"))              # its frame's reply crashes the loop
+        await kit.until(lambda: pipe.connects == 2)
+        task.cancel()
+        return pipe, engine
+
+    pipe, engine = asyncio.run(go())
+    assert "r1" in pipe.released and "r2" in pipe.released
+    assert engine.sched.ledger.used == 0 and not engine.sched.ledger.releasing
