@@ -50,8 +50,8 @@ bench-front-door: setup  ## a small request's latency idle vs while 4 and 8 clie
 bench-memory: setup  ## stage RSS after 1,000 and 10,000 short requests on tiny (exit 1 past +10%; a few minutes, not in `make test`)
 	$(BIN)/python -m bench.memory --out bench-out/memory/report.json --log-dir bench-out/memory/logs
 
-bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, TTFT p50 ratio and hit rate
-	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 48 --compare-prefix-cache --out bench-out/prefix
+bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
+	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
 
 soak: setup  ## a few hundred concurrent streams for ~5 minutes against a local cluster, with random cancels (not in `make test`)
 	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs
