@@ -29,3 +29,13 @@ def test_verdict_judges_stages_only_and_counts_failures_and_exits():
     assert verdict({"stage0": [1000, 1099]}, 0.10, 0, []) == []
     assert verdict({"stage0": [1000, None]}, 0.10, 2, ["stage0"]) == [
         "stage0 RSS grew ? (limit 10%)", "2 request(s) failed", "stage0 exited"]
+
+
+def test_pool_fill_and_cache_line():
+    from bench.memory import cache_line, pool_fill
+    stage = dict(address="127.0.0.1:1", kv_blocks_used=10, kv_blocks_cached=40, kv_blocks_total=100,
+                 prefix_evictions=3, prefix_hits=1, prefix_queries=2)
+    old = dict(stage, kv_blocks_total=0)
+    assert pool_fill(dict(stages=[stage, old, None])) == [0.5, None, None]
+    assert cache_line(dict(stages=[stage])) == "127.0.0.1:1: 40/100 blocks cached, 3 evicted, 1/2 hits"
+    assert cache_line(dict(stages=[None])) == "stage Stats not read"
