@@ -82,6 +82,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
                  tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None) -> None:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
+        self.session = CoordinatorSession(self.coordinator)   # every request's tokens, over one stream
         self.coordinator_target = coordinator_target
         self.model = model
         self.model_fingerprint = model_fingerprint
@@ -218,18 +219,34 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(valid.sampling)
         sampling.max_tokens = tags.output_budget
-        submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
-                                               sampling=sampling, tenant=valid.tenant, priority=valid.priority,
-                                               label=valid.request_id)
-        # The caller's deadline bounds the downstream call too, so the coordinator stops working on it in time;
-        # a caller without one gets the maximum lifetime.
+        # The caller's deadline bounds the request downstream too, so the coordinator stops working on it in
+        # time; a caller without one gets the maximum lifetime.
         remaining = context.time_remaining()
         lifetime_applied = remaining is None
-        call = self.coordinator.Submit(submit, timeout=self.max_lifetime_s if lifetime_applied else remaining)
+        submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+                                               sampling=sampling, tenant=valid.tenant, priority=valid.priority,
+                                               label=valid.request_id,
+                                               timeout_s=self.max_lifetime_s if lifetime_applied else remaining)
+        events = self.session.start(submit)
         failure: tuple[grpc.StatusCode, str] | None = None
+        ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
         try:
             count = 0
-            async for event in call:
+            while True:
+                event = await events.get()
+                if isinstance(event, SessionBroken):
+                    ended = True
+                    failure = (event.code, f"coordinator {self.coordinator_target} said: {event.details}")
+                    break
+                if event.status_code:
+                    ended = True
+                    code = STATUS_CODES.get(event.status_code, grpc.StatusCode.UNKNOWN)
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED and lifetime_applied:
+                        failure = (code, f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
+                                         f"(the call set no deadline)")
+                    else:
+                        failure = (code, f"coordinator {self.coordinator_target} said: {event.status_message}")
+                    break
                 if event.index != count:
                     failure = (grpc.StatusCode.INTERNAL, f"coordinator skipped a token index: expected {count}, "
                                                          f"got {event.index} (request {rid})")
@@ -238,25 +255,112 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                 if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield event, None
                     continue
+                ended = True
                 yield event, common_pb2.Receipt(
                     request_id=valid.request_id, prompt_digest=request_digest(request),
                     prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
                     output_tokens=count, model_fingerprint=self.model_fingerprint, internal_id=rid)
                 return
-            else:
-                failure = (grpc.StatusCode.INTERNAL, f"coordinator ended request {rid} "
-                                                     f"without a finish reason after {count} tokens")
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and lifetime_applied:
-                failure = (e.code(), f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
-                                     f"(the call set no deadline)")
-            else:
-                failure = (e.code(), f"coordinator {self.coordinator_target} said: {e.details()}")
         finally:
             # Runs on client disconnect and deadline too (grpc.aio cancels this task): stop the coordinator's work.
-            call.cancel()
+            self.session.end(rid, cancel=not ended)
         log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
+
+
+STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionBroken:
+    """What every request of a Session stream gets when the stream fails: the stream's status."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+class _SessionStream:
+    """One Session call: a writer sending the submits and cancels queued since its last write as one message,
+    and a reader handing each TokenEvent to its request's queue."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+        self.call = stub.Session()
+        self.sinks: dict[str, asyncio.Queue] = {}
+        self.submits: list[coordinator_pb2.SubmitRequest] = []
+        self.cancels: list[str] = []
+        self.wake = asyncio.Event()
+        self.broken = False
+        self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.submits or self.cancels:
+                    msg = coordinator_pb2.SessionMessage(submit=self.submits, cancel=self.cancels)
+                    self.submits, self.cancels = [], []
+                    await self.call.write(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # noqa: BLE001 - the call failed: its status (the reader's) says more, if it comes
+            await asyncio.wait([self.tasks[1]], timeout=1.0)
+            self._break(grpc.StatusCode.UNAVAILABLE, f"session stream failed: {e!r}")
+
+    async def _read(self) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the coordinator ended the session stream"
+        try:
+            async for batch in self.call:
+                for event in batch.events:
+                    q = self.sinks.get(event.request_id)
+                    if q is not None:
+                        q.put_nowait(event)
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details()
+        self._break(code, details)
+
+    def _break(self, code: grpc.StatusCode, details: str) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        for q in self.sinks.values():
+            q.put_nowait(SessionBroken(code, details))
+        self.sinks.clear()
+        self.call.cancel()
+        for t in self.tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+
+class CoordinatorSession:
+    """Requests to the coordinator over one Session stream, opened on first use and again after one breaks:
+    a token costs a share of one message instead of a message, and a request no call of its own."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+        self.stub = stub
+        self.stream: _SessionStream | None = None
+        self.by_id: dict[str, _SessionStream] = {}     # request id -> the stream it was started on
+
+    def start(self, submit: coordinator_pb2.SubmitRequest) -> asyncio.Queue:
+        """Start a request; its queue gets its TokenEvents in order, or a SessionBroken."""
+        if self.stream is None or self.stream.broken:
+            self.stream = _SessionStream(self.stub)
+        stream, q = self.stream, asyncio.Queue()
+        stream.sinks[submit.request_id] = q
+        self.by_id[submit.request_id] = stream
+        stream.submits.append(submit)
+        stream.wake.set()
+        return q
+
+    def end(self, request_id: str, cancel: bool) -> None:
+        """Forget a request; with `cancel`, also tell the coordinator to stop it (it had not ended)."""
+        stream = self.by_id.pop(request_id, None)
+        if stream is None:
+            return
+        stream.sinks.pop(request_id, None)
+        if cancel and not stream.broken:
+            stream.cancels.append(request_id)
+            stream.wake.set()
 
 
 def request_digest(request: admission_pb2.GenerateRequest) -> int:

@@ -1,4 +1,5 @@
-"""The Coordinator gRPC service: Submit (stream tokens back), Cancel, Stats."""
+"""The Coordinator gRPC service: Submit (stream tokens back), Session (many requests over one stream), Cancel,
+Stats."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from tether.protocol.hashing import hash_seed
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
+# A TokenEvents message stays far under the 1 MiB both ends accept (settings.COORDINATOR_MAX_MESSAGE_BYTES).
+_BATCH_BYTES = 256 * 1024
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -52,9 +55,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         rid = request.request_id
-        seq = Sequence(rid, list(request.prompt_token_ids), request.sampling, self.tokenizer,
-                       hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
-        req = Request(seq, tenant=request.tenant, priority=request.priority or "standard")
+        req = self._request(request)
         try:
             events = self.engine.submit(req)
         except PipelineDown as e:
@@ -89,6 +90,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if not finished:   # client went away, the call was cancelled or ran out of time: free it now
                 self.engine.cancel(rid, only=req)
 
+    def _request(self, request: coordinator_pb2.SubmitRequest) -> Request:
+        seq = Sequence(request.request_id, list(request.prompt_token_ids), request.sampling, self.tokenizer,
+                       hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
+        return Request(seq, tenant=request.tenant, priority=request.priority or "standard")
+
+    async def Session(self, request_iterator, context):
+        await _Session(self, context).run(request_iterator)
+
     async def Cancel(self, request, context):
         return coordinator_pb2.CancelReply(found=self.engine.cancel(request.request_id))
 
@@ -108,3 +117,114 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             prefix_queries=f.prefix_queries, prefix_hits=f.prefix_hits, prefix_hit_tokens=f.prefix_hit_tokens,
             prefix_misses=c.prefix_misses, prompt_tokens=f.prompt_tokens, computed_tokens=f.computed_tokens,
             step_seconds=e.step_seconds, prefix_cache=e.prefix_cache)
+
+
+class _Session:
+    """One Session stream: starts the requests it carries, follows each one's events and writes whatever is
+    ready as one TokenEvents message. Per request, the same checks, events, deadline and cancellation as
+    Submit; a request still running when the stream ends is cancelled."""
+
+    def __init__(self, svc: CoordinatorServicer, context: grpc.aio.ServicerContext) -> None:
+        self.svc, self.context = svc, context
+        self.loop = asyncio.get_running_loop()
+        self.out: list[coordinator_pb2.TokenEvent] = []
+        self.ready = asyncio.Event()
+        self.follows: dict[str, asyncio.Task] = {}     # request id -> the task following its events
+
+    def _emit(self, event: coordinator_pb2.TokenEvent) -> None:
+        self.out.append(event)
+        self.ready.set()
+
+    def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self._emit(coordinator_pb2.TokenEvent(request_id=rid, status_code=code.value[0], status_message=message))
+
+    def _start(self, request: coordinator_pb2.SubmitRequest) -> None:
+        rid = request.request_id
+        error = self.svc._validate(request)
+        if error:
+            self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, error)
+            return
+        req = self.svc._request(request)
+        try:
+            events = self.svc.engine.submit(req)
+        except PipelineDown as e:
+            self._fail(rid, grpc.StatusCode.UNAVAILABLE, str(e))
+            return
+        except DuplicateRequest as e:
+            self._fail(rid, grpc.StatusCode.ALREADY_EXISTS, str(e))
+            return
+        timeout_s = request.timeout_s if request.timeout_s > 0 else self.svc.max_lifetime_s
+        self.follows[rid] = asyncio.create_task(self._follow(rid, req, events, timeout_s, request.timeout_s > 0))
+
+    def _cancel(self, rid: str) -> None:
+        task = self.follows.get(rid)
+        if task is not None:
+            task.cancel()      # its finally cancels the request in the engine
+
+    def _expire(self, rid: str, timeout_s: float, given: bool) -> None:
+        task = self.follows.get(rid)
+        if task is None:
+            return
+        why = (f"request {rid} ran past its deadline of {timeout_s:g} s" if given else
+               f"request {rid} ran past the coordinator's maximum lifetime of {timeout_s:g} s (the caller set "
+               f"no deadline)")
+        self._fail(rid, grpc.StatusCode.DEADLINE_EXCEEDED, why)
+        task.cancel()
+
+    async def _follow(self, rid: str, req: Request, events: asyncio.Queue, timeout_s: float, given: bool) -> None:
+        finished = False
+        timer = self.loop.call_later(timeout_s, self._expire, rid, timeout_s, given)
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Failure):
+                    finished = True
+                    self._fail(rid, ev.code, ev.message)
+                    return
+                self._emit(coordinator_pb2.TokenEvent(request_id=rid, index=ev.index, token_id=ev.token_id,
+                                                      text=ev.text, finish_reason=ev.finish_reason,
+                                                      context_hash=ev.context_hash))
+                if ev.finish_reason:
+                    finished = True
+                    return
+        finally:
+            timer.cancel()
+            if self.follows.get(rid) is asyncio.current_task():
+                del self.follows[rid]
+            if not finished:   # cancelled, expired or the stream ended: free it now
+                self.svc.engine.cancel(rid, only=req)
+            if not self.follows:
+                self.ready.set()   # the writer checks whether the stream is done
+
+    async def _read(self, request_iterator) -> None:
+        async for msg in request_iterator:
+            for rid in msg.cancel:
+                self._cancel(rid)
+            for request in msg.submit:
+                self._start(request)
+        self.ready.set()
+
+    async def run(self, request_iterator) -> None:
+        reader = asyncio.create_task(self._read(request_iterator))
+        reader.add_done_callback(lambda _: self.ready.set())
+        try:
+            while True:
+                await self.ready.wait()
+                self.ready.clear()
+                while self.out:
+                    size, n = 0, 0
+                    while n < len(self.out) and (n == 0 or size < _BATCH_BYTES):
+                        size += len(self.out[n].text) + len(self.out[n].status_message) + 64
+                        n += 1
+                    batch, self.out = self.out[:n], self.out[n:]
+                    await self.context.write(coordinator_pb2.TokenEvents(events=batch))
+                if reader.done():
+                    if not reader.cancelled() and reader.exception() is not None:
+                        await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                                 f"malformed Session stream: {reader.exception()!r}")
+                    if not self.follows:   # the caller closed its side and every request has ended
+                        return
+        finally:
+            reader.cancel()
+            for task in list(self.follows.values()):
+                task.cancel()
