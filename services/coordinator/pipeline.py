@@ -38,6 +38,10 @@ class Pipeline:
         # Stages free what an earlier coordinator process left behind when they see a new instance.
         self.instance = secrets.token_hex(8)
         self.outbound = OutboundFaults(self.faults, self._write)
+        self.stubs = {a: stage_pb2_grpc.StageStub(ch) for a, ch in self.channels.items()}
+        # Releases asked for while one is in flight go out together in the next (see `release`).
+        self._release_next: tuple[list[str], asyncio.Future] | None = None
+        self._release_task: asyncio.Task | None = None
 
     @property
     def num_stages(self) -> int:
@@ -115,11 +119,36 @@ class Pipeline:
             self.call = None
 
     async def release(self, request_ids: list[str]) -> set[str]:
-        """Free these requests' KV on every stage; the ids that some stage could not be told about."""
+        """Free these requests' KV on every stage; the ids that some stage could not be told about.
+
+        One Release per stage at a time: ids asked for while one is in flight wait for it and go out together
+        in the next. Under load that is one call per round trip instead of one per finished request (a unary
+        call costs ~0.5 ms of CPU at each end), and nothing waits longer than the call in flight."""
+        if self._release_next is None:
+            self._release_next = ([], asyncio.get_running_loop().create_future())
+        ids, done = self._release_next
+        ids.extend(request_ids)
+        if self._release_task is None or self._release_task.done():
+            self._release_task = asyncio.create_task(self._flush_releases())
+        failed = await asyncio.shield(done)   # a caller cancelled leaves the others' answer intact
+        return failed.intersection(request_ids)
+
+    async def _flush_releases(self) -> None:
+        while self._release_next is not None:
+            (ids, done), self._release_next = self._release_next, None
+            try:
+                failed = await self._release_now(ids)
+            except Exception as e:   # noqa: BLE001 - every caller must get an answer
+                log.info("release of %d request(s) failed: %r", len(ids), e)
+                failed = set(ids)
+            if not done.done():
+                done.set_result(failed)
+
+    async def _release_now(self, request_ids: list[str]) -> set[str]:
         req = stage_pb2.ReleaseRequest(request_ids=request_ids)
-        calls = [stage_pb2_grpc.StageStub(ch).Release(req, timeout=5) for ch in self.channels.values()]
+        calls = [stub.Release(req, timeout=5) for stub in self.stubs.values()]
         failed: set[str] = set()
-        for address, res in zip(self.channels, await asyncio.gather(*calls, return_exceptions=True)):
+        for address, res in zip(self.stubs, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(res, Exception):
                 log.info("release of %d request(s) on %s failed: %s", len(request_ids), address, res)
                 failed.update(request_ids)
