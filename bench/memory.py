@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.10,
                    help="largest allowed stage RSS growth, first checkpoint to last (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="start the coordinator with --no-prefix-cache")
-    # The cache keeps freed blocks, so a stage's pool fills with cached blocks and its pages get touched until the
-    # pool is full: RSS rises by the pool's size, then stays. A small pool is full long before the first
+    # The cache keeps freed blocks, so a stage's pool fills with cached blocks and its arena grows (by doubling)
+    # to the pool's capacity: RSS rises by the pool's size, then stays. A small pool is full long before the first
     # checkpoint, so growth after it is a leak, not the pool filling; --stage-kv-tokens 0 keeps the stages' own.
     p.add_argument("--stage-kv-tokens", type=int, default=16384,
                    help="each stage's --kv-capacity in tokens, 0 for the stages' default (default: %(default)s, "
