@@ -45,7 +45,10 @@ RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pip
 MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before it fails with ABORTED
 
 # Stage workers.
-KV_CAPACITY_TOKENS = 262_144   # per stage, over all requests
+# A stage's KV pool, over all requests, in memory: the pool in positions follows from the slice's layers,
+# KV heads, head size and dtype (--kv-capacity overrides it in positions). The prefix cache keeps freed
+# blocks until the pool needs them, so a busy stage grows to this budget and stays there.
+KV_MEMORY_MIB = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
 

@@ -35,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: all)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--kv-capacity", type=int, default=settings.KV_CAPACITY_TOKENS,
-                   help="KV budget in tokens over all requests (default: %(default)s)")
+    p.add_argument("--kv-memory-mib", type=float, default=settings.KV_MEMORY_MIB, metavar="MIB",
+                   help="KV memory over all requests, cached prefixes included; the pool in positions follows from "
+                        "this slice's layers, KV heads and dtype (default: %(default)s)")
+    p.add_argument("--kv-capacity", type=int, default=0, metavar="POSITIONS",
+                   help="the KV pool in context positions instead of --kv-memory-mib (default: from the memory)")
     p.add_argument("--lease", type=float, default=settings.KV_LEASE_S,
                    help="free a request's state after this many idle seconds (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=settings.MAX_FORWARD_STREAMS,
@@ -63,14 +66,17 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     start, end = parse_layers(args.layers, cfg.num_hidden_layers)
     model = load_slice(folder, start, end, args.dtype)
+    kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)
+    log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
+             kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     fingerprint = model_fingerprint(folder)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"])
     address = f"{args.host}:{server.port}"
     checks = not args.unsafe_disable_stamp_checks
-    worker = StageWorker(model, index=0, kv_capacity_tokens=args.kv_capacity, dtype=args.dtype, stamp_checks=checks,
+    worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=args.dtype, stamp_checks=checks,
                          limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
     faults = FaultInjector(args.fault_config)
-    servicer = StageServicer(worker, fingerprint, address, args.kv_capacity, args.lease, faults=faults,
+    servicer = StageServicer(worker, fingerprint, address, kv_capacity, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
                              max_streams_per_peer=args.max_streams_per_peer)
     from tether.v1 import stage_pb2_grpc

@@ -177,6 +177,18 @@ class ModelSlice(nn.Module):
             self.arena = self.new_arena(None if pool is None else pool.capacity_tokens)
         return PagedKV(self.arena, owner)
 
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """KV memory one context position takes on this slice (keys and values of every layer)."""
+        c = self.cfg
+        return 2 * self.num_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def kv_positions_for(self, mib: float) -> int:
+        """The KV pool (positions, whole blocks) that `mib` MiB hold on this slice."""
+        block = settings.ATTENTION_BLOCK
+        per_block = max(1, self.kv_bytes_per_position * block)
+        return int(mib * 2**20) // per_block * block
+
     def new_arena(self, capacity_tokens: int | None) -> BlockArena | None:
         """A paged KV arena for this slice holding up to `capacity_tokens` (whole blocks of it; None:
         unbounded), or None with the plain kernels. A stage worker owns one; `new_kv` keeps a default one."""
