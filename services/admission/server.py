@@ -269,6 +269,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 
 STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_SESSION_BATCH_BYTES = 256 * 1024   # submits per SessionMessage: one prompt alone is far under the 1 MiB limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,9 +298,15 @@ class _SessionStream:
             while True:
                 await self.wake.wait()
                 self.wake.clear()
-                if self.submits or self.cancels:
-                    msg = coordinator_pb2.SessionMessage(submit=self.submits, cancel=self.cancels)
-                    self.submits, self.cancels = [], []
+                while self.submits or self.cancels:
+                    # Under the coordinator's message limit (1 MiB) whatever the prompts: a message it refuses
+                    # would fail the whole stream.
+                    n, size = 0, 0
+                    while n < len(self.submits) and (n == 0 or size < _SESSION_BATCH_BYTES):
+                        size += self.submits[n].ByteSize()
+                        n += 1
+                    msg = coordinator_pb2.SessionMessage(submit=self.submits[:n], cancel=self.cancels)
+                    self.submits, self.cancels = self.submits[n:], []
                     await self.call.write(msg)
         except asyncio.CancelledError:
             raise

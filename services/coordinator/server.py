@@ -198,10 +198,10 @@ class _Session:
 
     async def _read(self, request_iterator) -> None:
         async for msg in request_iterator:
-            for rid in msg.cancel:
-                self._cancel(rid)
             for request in msg.submit:
                 self._start(request)
+            for rid in msg.cancel:   # after the submits: a request may be cancelled in the message that starts it
+                self._cancel(rid)
         self.ready.set()
 
     async def run(self, request_iterator) -> None:
@@ -214,7 +214,7 @@ class _Session:
                 while self.out:
                     size, n = 0, 0
                     while n < len(self.out) and (n == 0 or size < _BATCH_BYTES):
-                        size += len(self.out[n].text) + len(self.out[n].status_message) + 64
+                        size += 4 * (len(self.out[n].text) + len(self.out[n].status_message)) + 64   # UTF-8 at most
                         n += 1
                     batch, self.out = self.out[:n], self.out[n:]
                     await self.context.write(coordinator_pb2.TokenEvents(events=batch))
