@@ -73,16 +73,17 @@ def _refusal(client: Client, prompt: str) -> TetherError:
         raise AssertionError("the request succeeded through a stage that corrupts every token")
 
 
-def test_the_rebuild_budget_ends_in_aborted_and_kv_capacity_in_resource_exhausted(hostile):
+def test_the_rebuild_budget_ends_in_aborted_and_a_context_beyond_the_kv_pool_in_resource_exhausted(hostile):
     _restart_with(hostile, "stage1", "--faults", "corrupt=1,seed=3")
     _restart_with(hostile, "stage0", "--kv-capacity", "128")
     with Client(hostile.target, timeout=120) as client:
         e = _refusal(client, "short")
         assert e.code == grpc.StatusCode.ABORTED, e.message
         assert "could not be verified after 5 rebuilds" in e.message and "TOKEN_HASH_MISMATCH" in e.message
-        e = _refusal(client, "x" * 300)                        # 5 KV blocks of 64 > 128 tokens
+        e = _refusal(client, "x" * 300)                        # 5 KV blocks of 64 > 128 positions
         assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.message
-        assert "NO_CAPACITY" in e.message and "KV capacity" in e.message
+        # refused up front by the coordinator's block ledger, not by a stage after five replays
+        assert "context positions of KV" in e.message and "at most 128" in e.message
     stats = _coord_stats(hostile)
-    assert stats.rejections["TOKEN_HASH_MISMATCH"] >= 6 and stats.rejections["NO_CAPACITY"] >= 6   # try + 5 rebuilds
+    assert stats.rejections["TOKEN_HASH_MISMATCH"] >= 6 and stats.rejections["NO_CAPACITY"] == 0   # try + 5 rebuilds
     assert _stage_stats(hostile, "stage0").requests_held == 0
