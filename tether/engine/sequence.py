@@ -41,6 +41,7 @@ class Sequence:
         self.hasher = ContextHasher(self.hash_seed)
         self.hasher.extend(self.prompt_ids)
         self._pending = ""               # decoded text held back while it may be the start of a stop string
+        self._all = self.prompt_ids + self.output_ids   # kept whole: the scheduler reads it every step
 
     @property
     def finished(self) -> bool:
@@ -48,12 +49,15 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output ids: the sequence's own list, maintained as tokens arrive (read it, never
+        change it)."""
+        return self._all
 
     def append(self, token_id: int) -> TokenOut:
         """Add a sampled token; returns the text that may be shown and, if it ended, why."""
         assert not self.finished, "token appended to a finished sequence"
         self.output_ids.append(token_id)
+        self._all.append(token_id)
         self.hasher.extend([token_id])
         is_eos = token_id in self.tokenizer.eos_ids and not self.sampling.ignore_eos
         new = self.detok.flush() if is_eos else self.detok.push(token_id)   # EOS: emit a held partial char
