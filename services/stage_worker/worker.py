@@ -203,22 +203,33 @@ class StageWorker:
         return self.model(x, slots)
 
     def _sample(self, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
-        ends = []
+        ends, sampled = [], []
         row = 0
         for slot, a, _ in admitted:
             row += a.rows
             if slot.sample:
                 ends.append(row - 1)
+                sampled.append(slot)
         logits = self.model.logits(h[ends]) if ends else None
+        # Greedy slots in one argmax over their rows (first maximum per row, as sampler.sample): one op
+        # instead of one per slot; sampled slots draw one by one.
+        greedy = [k for k, slot in enumerate(sampled) if slot.sampling.temperature <= 0]
+        tokens: dict[int, int] = {}
+        if greedy:
+            tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)
             if slot.sample:
                 res.has_token = True
-                res.token_id = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
-                # committed chain + the token, bound to the request id and the parameters actually used
-                res.token_hash = token_hash(a.state.hasher.peek([res.token_id]), slot.stamp.request_id,
-                                            sampling_digest(slot.sampling))
+                token = tokens.get(k)
+                if token is None:
+                    token = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
+                res.token_id = token
+                # committed chain + the token, bound to the request id and the parameters actually used (the
+                # stamp's digest was checked against them on admission; without checks it is computed here)
+                digest = slot.stamp.sampling_digest if self.stamp_checks else sampling_digest(slot.sampling)
+                res.token_hash = token_hash(a.state.hasher.peek([token]), slot.stamp.request_id, digest)
                 k += 1
             results.append(res)
         return results
