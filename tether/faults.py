@@ -382,8 +382,8 @@ class FaultInjector:
             out = _copy(out) if out is frame else out
             i, j = self._rng["swap_slots"].sample(range(len(out.slots)), 2)
             fault = self.ledger.record("swap_slots", "outbound", [out.slots[i].stamp, out.slots[j].stamp])
-            if _twins(out.slots[i].stamp, out.slots[j].stamp):
-                self.ledger.harmless(fault, _TWINS)
+            if _twins(out.slots[i].stamp, out.slots[j].stamp, epochs=False):
+                self.ledger.harmless(fault, _SAME_ROWS)
             a = stage_pb2.Stamp()
             a.CopyFrom(out.slots[i].stamp)
             out.slots[i].stamp.CopyFrom(out.slots[j].stamp)
@@ -427,14 +427,18 @@ class FaultInjector:
 
 
 _TWINS = "twin slots: the same context, epoch and position; only their ids differ"
+_SAME_ROWS = "twin slots: the same context and position (their rows are the same bits); only ids and epochs differ"
 
 
-def _twins(a: stage_pb2.Stamp, b: stage_pb2.Stamp) -> bool:
-    """Two stamps equal but for their request ids: two requests with the same prompt, sampling and tokens so
-    far, at the same epoch and position. Their rows are the same bits (batch invariance), so exchanging their
-    stamps or ids in a frame changes nothing a stage computes (a reply still binds the id in its token hash)."""
+def _twins(a: stage_pb2.Stamp, b: stage_pb2.Stamp, epochs: bool = True) -> bool:
+    """Two stamps equal but for their request ids (and, with `epochs=False`, their epochs): two requests with
+    the same prompt, sampling and tokens so far, at the same position. Their rows are the same bits (batch
+    invariance), so exchanging their ids at the same epoch, or their whole stamps (ids and epochs travel
+    together) at any epochs, changes nothing a stage computes (a reply still binds the id in its token hash)."""
     a, b = _copy(a), _copy(b)
     a.request_id = b.request_id = ""
+    if not epochs:
+        a.epoch = b.epoch = 0
     return a == b
 
 

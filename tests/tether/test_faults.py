@@ -420,3 +420,16 @@ def test_exchanging_twin_slots_is_logged_harmless(kind):
     inj = only(kind)
     inj.outbound(frame_of(stamp("a", [7], [1, 2]), stamp("b", [8], [1, 2])))   # one token apart: followed
     assert len(inj.ledger.open_slots) == 2
+
+
+def test_swapping_twin_stamps_of_different_epochs_is_harmless_but_crossing_their_ids_is_not():
+    """Whole stamps travel with their ids and epochs: rows of the same context are the same bits whatever the
+    epochs. Crossing ids alone would give a request the other's epoch: a stage refuses it, so it is followed."""
+    a, b = stamp("a", [7], [1, 2]), stamp("b", [7], [1, 2])
+    b.epoch = a.epoch + 3
+    inj = only("swap_slots")
+    inj.outbound(frame_of(a, b))
+    assert injected(inj) == {"swap_slots": 1} and not inj.ledger.open_slots
+    inj = only("cross_ids")
+    inj.outbound(frame_of(a, b))
+    assert len(inj.ledger.open_slots) == 2
