@@ -9,24 +9,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tether.bench.engine import proc_rss_kib
 from tether.bench.stats import median
 from tether.grpcutil import channel
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 STATS_TIMEOUT_S = 2.0
 DRAIN_POLL_S = 0.5
-
-
-def rss_kib(pid: int) -> int | None:
-    """VmRSS of a process in KiB; None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None
 
 
 @dataclass
@@ -50,7 +39,7 @@ class RssSampler:
     def sample(self) -> None:
         now = time.monotonic()
         for name, pid in self.pids.items():
-            kib = rss_kib(pid)
+            kib = proc_rss_kib(pid)
             if kib is None:
                 self.exited.add(name)
             else:

@@ -374,7 +374,7 @@ class Engine:
         self.counters.prefix_misses += 1
         log.info("request %s: PREFIX_MISS (%s); replaying it cold", req.id, detail)
         self.sched.ledger.rebuild(req.id)
-        self.sched.ledger.pool.drop_cache()
+        self.sched.ledger.forget_cache()
         req.rebuild(charge=False)
 
     def _rebuild(self, req: Request, reason: str, detail: str) -> None:

@@ -32,6 +32,11 @@ class BlockLedger:
         self.pool.capacity = capacity_blocks
         self.block = block
         self.caching = caching
+        self.forget_cache()
+
+    def forget_cache(self) -> None:
+        """Forget what the stages have cached (they may have restarted, or a stage refused a predicted hit):
+        only hits are lost, never correctness."""
         self.pool.drop_cache()
 
     def blocks(self, positions: int) -> int:

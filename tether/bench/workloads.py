@@ -206,17 +206,21 @@ class Workload:
         head = LONG_HEADS[lang]
         tail = f"\n\n{question}"
         budget = target - len(self.encode(head + tail))
+        body = self._numbered_passages(passages, rng, budget)
+        return BenchRequest(index, "long", head + body + tail, self.long.output_tokens, **_sampling(rng))
+
+    def _numbered_passages(self, passages: list[str], rng: random.Random, budget: int) -> str:
+        """Whole passages, numbered, shuffled and repeated, while they fit in `budget` tokens (at least one)."""
         parts: list[str] = []
         used = 0
-        while True:   # whole passages (shuffled, repeated) while they fit in the target length
+        while True:
             order = passages[:]
             rng.shuffle(order)
             for p in order:
                 piece = f"[{len(parts) + 1}] {p}\n"
                 cost = len(self.encode(piece))
                 if parts and used + cost > budget:
-                    return BenchRequest(index, "long", head + "".join(parts).rstrip() + tail,
-                                        self.long.output_tokens, **_sampling(rng))
+                    return "".join(parts).rstrip()
                 parts.append(piece)
                 used += cost
 
@@ -228,19 +232,7 @@ class Workload:
             passages = [p["text"] for p in _data("passages.jsonl") if p["lang"] == "en"]
             longest = max(len(self.encode(f"\n\nQuestion: {q}")) for q in SHARED_DOC_QUESTIONS)
             budget = self.shared_doc.tokens - len(self.encode(SHARED_DOC_HEAD)) - longest
-            parts: list[str] = []
-            used = 0
-            while self._doc is None:
-                order = passages[:]
-                rng.shuffle(order)
-                for p in order:
-                    piece = f"[{len(parts) + 1}] {p}\n"
-                    cost = len(self.encode(piece))
-                    if parts and used + cost > budget:
-                        self._doc = SHARED_DOC_HEAD + "".join(parts).rstrip()
-                        break
-                    parts.append(piece)
-                    used += cost
+            self._doc = SHARED_DOC_HEAD + self._numbered_passages(passages, rng, budget)
         return self._doc
 
     def _shared_doc(self, rng: random.Random, index: int) -> BenchRequest:

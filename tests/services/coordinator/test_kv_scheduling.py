@@ -140,20 +140,18 @@ def test_decode_growth_preempts_the_lowest_priority_youngest_request():
 
 
 def test_a_preempted_request_waits_for_its_release_then_recomputes_its_whole_context():
-    s = sched_with(capacity=3)
+    s = sched_with(capacity=16)                    # room to spare: only the pending Release holds b back
     a, b = req("a", prompt=4, max_tokens=8), req("b", prompt=4, max_tokens=8)
     s.add(a)
     s.add(b)
     complete(s, s.next_batch())
-    s.next_batch()                                 # a grows; b is preempted
-    assert b.preempted and s.preempted == [b]
-    s.preempted.clear()
-    assert s.next_batch() == [] or b not in s.running  # b cannot start before its release is answered
-    s.ledger.release_begin(b.id)                   # (the engine did this when it sent the Release)
-    s.released(b.id)
+    s._preempt(b)                                  # (as _make_room does when decode growth runs out)
+    assert b.preempted and b.releasing and s.preempted == [b] and s.waiting[0] is b
+    assert b.epoch == 2 and b.fed == 0 and b.retries == 0        # not charged to its budget
+    a.in_flight = True                             # a's next frame is out; the stages have room for b
+    assert s.next_batch() == [] and b.id not in s.running        # but its Release is not answered yet
+    s.released(b.id)                               # every stage answered it
     assert not b.releasing
-    finish(s, a)
-    s.frames_in_flight = 0
     batch = s.next_batch()
     assert batch == [b] and b.sent.position == 0 and list(b.sent.token_ids) == b.seq.all_ids
     assert b.sent.epoch == 2 and not b.preempted
@@ -216,12 +214,18 @@ def test_kv_pressure_completes_every_request_with_preemptions_and_no_refusals():
 SYSTEM = [10 + i for i in range(2 * B)]
 
 
+def served(s: Scheduler, prompt: list[int]) -> Request:
+    """A one-token request run to its end: its full blocks are cached in the ledger afterwards."""
+    r = req("first", prompt=prompt, max_tokens=1)
+    s.add(r)
+    complete(s, s.next_batch())
+    finish(s, r)
+    return r
+
+
 def test_a_second_request_starts_from_the_cached_prefix_and_computes_only_the_rest():
     s = sched_with(capacity=16)
-    a = req("a", prompt=SYSTEM + [1, 2], max_tokens=1)
-    s.add(a)
-    complete(s, s.next_batch())
-    finish(s, a)
+    a = served(s, SYSTEM + [1, 2])
     b = req("b", prompt=SYSTEM + [3], max_tokens=1)
     s.add(b)
     batch = s.next_batch()
@@ -234,10 +238,7 @@ def test_a_second_request_starts_from_the_cached_prefix_and_computes_only_the_re
 
 def test_the_last_token_is_always_computed_and_tenants_do_not_share():
     s = sched_with(capacity=16)
-    a = req("a", prompt=SYSTEM, max_tokens=1)
-    s.add(a)
-    complete(s, s.next_batch())
-    finish(s, a)
+    served(s, SYSTEM)
     same = req("same", prompt=SYSTEM, max_tokens=1)          # all of it cached: the last block is recomputed
     other = req("other", prompt=SYSTEM + [1], max_tokens=1, seed=hash_seed("fp", "tenant-b"))
     s.add(same)
@@ -248,19 +249,13 @@ def test_the_last_token_is_always_computed_and_tenants_do_not_share():
 
 def test_no_prefix_after_a_miss_or_a_rebuild_and_none_when_caching_is_off():
     s = sched_with(capacity=16, caching=False)
-    a = req("a", prompt=SYSTEM + [1], max_tokens=1)
-    s.add(a)
-    complete(s, s.next_batch())
-    finish(s, a)
+    served(s, SYSTEM + [1])
     b = req("b", prompt=SYSTEM + [1], max_tokens=1)
     s.add(b)
     s.next_batch()
     assert b.cached == 0 and s.figures.prefix_queries == 0
     s2 = sched_with(capacity=16)
-    a = req("a", prompt=SYSTEM + [1], max_tokens=1)
-    s2.add(a)
-    complete(s2, s2.next_batch())
-    finish(s2, a)
+    served(s2, SYSTEM + [1])
     c = req("c", prompt=SYSTEM + [1], max_tokens=1)
     c.no_prefix = True
     s2.add(c)
