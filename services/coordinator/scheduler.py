@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.coordinator.ledger import BlockLedger
+from tether.kv.blocks import extend_by_blocks
 from tether.engine.sequence import Sequence
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
@@ -89,16 +90,10 @@ class Request:
     def confirm(self, block: int = 0) -> None:
         """The frame in flight was processed by every stage: they now hold what it carried. With `block`,
         note the chain's value at each block end it crossed."""
-        ids = self.sent.token_ids
-        at = 0
-        while block and at < len(ids):
-            take = min(len(ids) - at, block - self.fed_hash.length % block)
-            value = self.fed_hash.extend(ids[at:at + take])
-            at += take
-            if self.fed_hash.length % block == 0:
-                self.block_ends.append(value)
-        if at < len(ids):
-            self.fed_hash.extend(ids[at:])
+        if block:
+            self.block_ends += extend_by_blocks(self.fed_hash, self.sent.token_ids, block)
+        else:
+            self.fed_hash.extend(self.sent.token_ids)
         self.fed = self.fed_hash.length
         self.sent = None
         self.cached = 0

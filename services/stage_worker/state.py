@@ -12,7 +12,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from tether.kv.cache import KVCache
-from tether.kv.blocks import BlockPool, block_keys
+from tether.kv.blocks import BlockPool, block_keys, extend_by_blocks
 from tether.kv.paged import PagedKV
 from tether.protocol.hashing import ContextHasher
 from tether.v1 import stage_pb2
@@ -194,19 +194,13 @@ class StageState:
         under the chain's value at its end (salted by model and tenant), chained to the registration of the
         block before it. A block whose key another block already holds stays private."""
         block, pool, kv = self.block, self.pool, state.kv
-        at = 0
-        while at < len(ids):
-            length = state.hasher.length
-            take = min(len(ids) - at, block - length % block)
-            piece = ids[at:at + take]
-            value = state.hasher.extend(piece)
-            state.tokens.extend(piece)
-            at += take
-            end = state.hasher.length
-            if end % block:
-                continue
+        first = state.hasher.length // block              # the block the first of `ids` falls in
+        ends = extend_by_blocks(state.hasher, ids, block)
+        state.tokens.extend(ids)
+        for k, value in enumerate(ends):
             state.block_ends.append(value)
-            i = end // block - 1
+            i = first + k
+            end = (i + 1) * block
             b = kv.blocks[i]
             if pool.entry(b) is not None:
                 continue                       # attached from the cache: registered already

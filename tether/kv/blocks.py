@@ -22,11 +22,24 @@ from tether.kv.cache import NoCapacity
 from tether.protocol.hashing import ContextHasher
 
 
+def extend_by_blocks(hasher: ContextHasher, token_ids, block: int) -> list[int]:
+    """Extend `hasher` by `token_ids`; return the chain's value at each block end it crossed, in order (the
+    prefix-cache keys of the blocks those tokens filled, with the seed)."""
+    ends = []
+    at = 0
+    while at < len(token_ids):
+        take = min(len(token_ids) - at, block - hasher.length % block)
+        value = hasher.extend(token_ids[at:at + take])
+        at += take
+        if hasher.length % block == 0:
+            ends.append(value)
+    return ends
+
+
 def block_keys(seed: int, token_ids: list[int], block: int) -> list[tuple[int, int]]:
     """The prefix-cache key of each full block of `token_ids`: (seed, the context chain's value at the
     block's end). The seed is in the key as well as in the chain: tenants never share a key."""
-    h = ContextHasher(seed)
-    return [(seed, h.extend(token_ids[i:i + block])) for i in range(0, len(token_ids) - block + 1, block)]
+    return [(seed, v) for v in extend_by_blocks(ContextHasher(seed), token_ids, block)]
 
 
 @dataclass
