@@ -55,6 +55,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+# The word lists live in lexicons.py (data only); imported here, where callers have always found them.
+from services.admission.lexicons import (
+    AUDIENCE_LEXICONS,
+    CHILD_WORDS,
+    CODE_WORDS,
+    CREATIVE_WORDS,
+    DOMAIN_LEXICONS,
+    ELDERLY_WORDS,
+    ENGLISH_FUNCTION_WORDS,
+    EXPERT_READERS_EN,
+    EXPERT_READERS_ZH,
+    EXPERT_WORDS,
+    FALSE_FRIENDS,
+    FINANCE_WORDS,
+    FOREIGN_FUNCTION_WORDS,
+    LEGAL_WORDS,
+    MEDICAL_WORDS,
+    SUMMARIZE_WORDS,
+    TASK_LEXICONS,
+    TRANSLATE_WORDS,
+)
+
 __all__ = [
     "Tags",
     "tag",
@@ -124,91 +146,9 @@ DEFAULT_PRIORITY = "standard"
 SHORT_MAX_TOKENS = 64
 MEDIUM_MAX_TOKENS = 512
 
-# Share of (CJK ideographs + Latin letters) one script needs to name the language.
+# Share of the (Chinese + English) units one language needs to name the prompt's language.
 DOMINANT_SHARE = 0.7
 
-# Task lexicons, checked in this order: the first task with a hit wins, so a
-# "translate this code" request is a translation, not a coding job.
-TRANSLATE_WORDS: tuple[str, ...] = (
-    "翻译", "译成", "译为", "翻成", "英译中", "中译英",
-    "translate", "translated", "translation", "translating",
-)
-SUMMARIZE_WORDS: tuple[str, ...] = (
-    "总结", "概括", "摘要", "归纳", "概述", "提炼", "要点",
-    "summarize", "summarise", "summary", "summaries", "tl;dr", "tldr",
-    "sum up", "recap", "condense", "key points",
-)
-CODE_WORDS: tuple[str, ...] = (
-    "代码", "函数", "编程", "程序", "脚本", "报错", "调试",
-    "python", "javascript", "typescript", "java", "c++", "golang", "sql",
-    "code", "function", "bug", "debug", "compile", "compiler", "regex",
-    "stack trace", "traceback", "algorithm", "script", "```",
-)
-CREATIVE_WORDS: tuple[str, ...] = (
-    "诗", "故事", "小说", "歌词", "剧本", "童话", "散文", "作文", "创作",
-    "poem", "poetry", "story", "stories", "lyrics", "haiku", "limerick",
-    "novel", "fairy tale", "fiction", "screenplay", "song", "creative",
-)
-TASK_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("translate", TRANSLATE_WORDS),
-    ("summarize", SUMMARIZE_WORDS),
-    ("code", CODE_WORDS),
-    ("creative", CREATIVE_WORDS),
-)
-
-# Domain lexicons; the tuple order of DOMAIN_LEXICONS breaks ties.
-MEDICAL_WORDS: tuple[str, ...] = (
-    "血糖", "血糖仪", "血压", "医生", "医院", "药", "症状", "诊断", "糖尿病",
-    "高血压", "胰岛素", "疫苗", "治疗", "处方", "疾病", "患者", "病人", "生病",
-    "diabetes", "blood sugar", "blood pressure", "symptom", "medication",
-    "medicine", "doctor", "glucose", "glucose meter", "insulin", "diagnosis",
-    "disease", "prescription", "hospital", "patient", "treatment", "dosage",
-    "vaccine",
-)
-LEGAL_WORDS: tuple[str, ...] = (
-    "合同", "法律", "律师", "诉讼", "法院", "起诉", "违约", "条款", "判决",
-    "侵权", "法规", "仲裁",
-    "contract", "lawsuit", "legal", "attorney", "lawyer", "court", "sue",
-    "litigation", "clause", "liability", "plaintiff", "defendant", "statute",
-    "copyright", "arbitration",
-)
-FINANCE_WORDS: tuple[str, ...] = (
-    "股票", "投资", "贷款", "利率", "基金", "理财", "税", "债券", "房贷",
-    "汇率", "存款", "股市", "分红",
-    "stock", "invest", "investment", "investing", "loan", "interest rate",
-    "tax", "mortgage", "portfolio", "dividend", "savings", "inflation",
-    "etf", "401k",
-)
-DOMAIN_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("medical", MEDICAL_WORDS),
-    ("legal", LEGAL_WORDS),
-    ("finance", FINANCE_WORDS),
-)
-
-# Audience lexicons; the tuple order of AUDIENCE_LEXICONS breaks ties.
-ELDERLY_WORDS: tuple[str, ...] = (
-    "老人", "老年人", "长辈", "爷爷", "奶奶", "外公", "外婆", "姥姥", "姥爷",
-    "老年", "退休",
-    "elderly", "seniors", "senior citizen", "grandparent", "grandma",
-    "grandpa", "grandmother", "grandfather", "older adult", "older people",
-    "retiree",
-)
-CHILD_WORDS: tuple[str, ...] = (
-    "孩子", "小朋友", "儿童", "小孩", "小学生", "幼儿", "宝宝",
-    "child", "children", "kid", "toddler", "preschooler",
-)
-# Bare "医生"/"doctor" means the medical domain; only "for doctors" names the reader.
-EXPERT_WORDS: tuple[str, ...] = (
-    "专家", "专业人士", "专业", "为医生", "给医生", "面向医生", "供医生",
-    "从业者", "研究人员",
-    "expert", "professional", "for doctors", "for physicians",
-    "for clinicians", "technical audience", "specialist", "researchers",
-)
-AUDIENCE_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("elderly", ELDERLY_WORDS),
-    ("child", CHILD_WORDS),
-    ("expert", EXPERT_WORDS),
-)
 # An age mentioned in the prompt ("5-year-old", "80岁") also names the reader.
 CHILD_MAX_AGE = 12
 ELDERLY_MIN_AGE = 65
@@ -342,13 +282,18 @@ def count_lexicon_hits(text: str, lexicon: tuple[str, ...]) -> int:
     return len(_lexicon_pattern(lexicon).findall(text.lower()))
 
 
+def _label_hits(text: str, label: str, lexicon: tuple[str, ...]) -> int:
+    """Lexicon hits for label, less those inside its false friends ("程序" in "程序员")."""
+    return count_lexicon_hits(text, lexicon) - count_lexicon_hits(text, FALSE_FRIENDS.get(label, ()))
+
+
 def _best_by_hits(
     text: str, lexicons: tuple[tuple[str, tuple[str, ...]], ...], extra: dict[str, int] | None = None
 ) -> str:
     """Label with the most hits; ties go to the earlier lexicon; "" when nothing hits."""
     best_label, best_hits = "", 0
     for label, lexicon in lexicons:
-        hits = count_lexicon_hits(text, lexicon) + (extra or {}).get(label, 0)
+        hits = _label_hits(text, label, lexicon) + (extra or {}).get(label, 0)
         if hits > best_hits:  # strict: an equal count keeps the earlier label
             best_label, best_hits = label, hits
     return best_label
@@ -359,35 +304,113 @@ def _best_by_hits(
 # --------------------------------------------------------------------------
 
 
-def _is_cjk_ideograph(ch: str) -> bool:
-    cp = ord(ch)
-    return (
-        0x4E00 <= cp <= 0x9FFF  # CJK Unified Ideographs
-        or 0x3400 <= cp <= 0x4DBF  # Extension A
-        or 0xF900 <= cp <= 0xFAFF  # Compatibility Ideographs
-        or 0x20000 <= cp <= 0x3134F  # Extensions B-G
-    )
+# What one Latin-script word weighs against one Chinese character: a Chinese word averages about
+# 1.7 characters, so a sentence holds about as many units in either script.
+LATIN_WORD_WEIGHT = 1.7
+# Share of "other" (kana, Hangul, Cyrillic, non-English Latin) units that makes the prompt "other".
+OTHER_SHARE = 0.5
+
+_CJK_RANGES = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
+_KANA_RANGES = "\u3040-\u30ff"
+_HANGUL_RANGES = "\u1100-\u11ff\u3130-\u318f\uac00-\ud7af"
+_LATIN_RANGES = "A-Za-z\u00c0-\u024f"
+# One token per match; every branch is a single character class (or a fixed tail), so the scan is
+# linear. Segments end at sentence ends and at colons: "翻译成中文：<English text>" is two segments.
+_LANG_TOKEN = re.compile(
+    rf"(?P<cjk>[{_CJK_RANGES}])"
+    rf"|(?P<kana>[{_KANA_RANGES}])"
+    rf"|(?P<hangul>[{_HANGUL_RANGES}])"
+    rf"|(?P<latin>[{_LATIN_RANGES}]+(?:['’][{_LATIN_RANGES}]{{1,3}})?)"
+    rf"|(?P<alpha>[^\W\d_{_LATIN_RANGES}{_CJK_RANGES}{_KANA_RANGES}{_HANGUL_RANGES}]+)"
+    r"|(?P<code>[(){}\[\]=<>+*/\\`#$|&^~]+)"
+    r"|(?P<end>[。！？!?；\n：:]|[.;](?=\s|\Z))"  # NFKC has made "：" a ":"
+)
+# Chinese grammar: a segment holding one of these is a Chinese sentence whatever Latin words it names.
+_ZH_FUNCTION_CHARS = frozenset("的了吗呢吧么什怎这那请把被让给在是有和与或就都也还要会能用里个哪")
 
 
-def _is_latin_letter(ch: str) -> bool:
-    # ASCII plus Latin-1 / Latin Extended-A/B letters (é, ß, ł ...).
-    return ch.isalpha() and (ch.isascii() or 0x00C0 <= ord(ch) <= 0x024F)
+class _Segment:
+    """Counts for one sentence-like segment of the prompt."""
+
+    __slots__ = ("cjk", "kana", "hangul", "latin", "alpha", "code", "zh_grammar")
+
+    def __init__(self) -> None:
+        self.cjk = self.kana = self.hangul = self.latin = self.alpha = self.code = 0
+        self.zh_grammar = False
+
+
+def _language_units(text: str) -> tuple[float, float, float]:
+    """(zh, en, other) units of the prompt, segment by segment.
+
+    In a segment that has both Chinese characters and Latin words, the matrix language takes both:
+    Chinese when the segment has Chinese grammar or more characters than words ("用Python写一个函数",
+    "Java里的HashMap"), else English ("Explain 机器学习 in simple terms"). A Latin-only segment that
+    looks like code (brackets, operators) counts for nothing once the prompt holds Chinese.
+    """
+    zh = en = other = code_latin = 0.0
+    english_words = foreign_words = 0
+    seg = _Segment()
+
+    def close(seg: _Segment) -> tuple[float, float, float, float]:
+        if seg.kana and seg.kana * 4 >= seg.cjk + seg.kana:  # kanji among kana: Japanese
+            o = seg.cjk + seg.kana
+            seg.cjk = seg.kana = 0
+        else:
+            o = seg.kana
+        o += seg.hangul + seg.alpha * LATIN_WORD_WEIGHT
+        words = seg.latin * LATIN_WORD_WEIGHT
+        if seg.cjk and seg.latin:
+            if seg.zh_grammar or seg.cjk >= seg.latin:
+                return seg.cjk + words, 0.0, o, 0.0
+            return 0.0, seg.cjk + words, o, 0.0
+        if seg.latin and seg.code:
+            return 0.0, 0.0, o, words
+        return float(seg.cjk), words, o, 0.0
+
+    for m in _LANG_TOKEN.finditer(text):
+        kind = m.lastgroup
+        if kind == "cjk":
+            seg.cjk += 1
+            seg.zh_grammar = seg.zh_grammar or m.group() in _ZH_FUNCTION_CHARS
+        elif kind == "latin":
+            seg.latin += 1
+            word = m.group().lower()
+            english_words += word in ENGLISH_FUNCTION_WORDS
+            foreign_words += word in FOREIGN_FUNCTION_WORDS
+        elif kind == "end":
+            z, e, o, c = close(seg)
+            zh, en, other, code_latin = zh + z, en + e, other + o, code_latin + c
+            seg = _Segment()
+        else:
+            setattr(seg, kind, getattr(seg, kind) + 1)
+    z, e, o, c = close(seg)
+    zh, en, other, code_latin = zh + z, en + e, other + o, code_latin + c
+    if not zh:  # no Chinese for code to sit inside: brackets do not make English prose code
+        en += code_latin
+    # Spanish, French, German...: Latin script, not English.
+    if foreign_words >= 2 and foreign_words > english_words:
+        en, other = 0.0, other + en
+    return zh, en, other
 
 
 def detect_language(text: str) -> str:
-    """"zh", "en", "mixed" or "other" from the share of CJK ideographs vs Latin letters.
+    """"zh", "en", "mixed" or "other": which language the prompt is written in.
 
-    Digits, punctuation and other scripts (kana, Hangul, Cyrillic) are ignored.
+    Counts Chinese characters against Latin words (LATIN_WORD_WEIGHT each) per segment, with
+    identifiers, code names and product names inside a Chinese sentence counted as Chinese text
+    (see _language_units). Kana, Hangul, other scripts and non-English Latin-script prose are
+    "other"; digits and punctuation count for nothing.
     """
     normalized = unicodedata.normalize("NFKC", text)  # full-width ＡＢＣ count as Latin
-    cjk = sum(1 for ch in normalized if _is_cjk_ideograph(ch))
-    latin = sum(1 for ch in normalized if _is_latin_letter(ch))
-    total = cjk + latin
+    zh, en, other = _language_units(normalized)
+    total = zh + en + other
     if total == 0:
         return "other"
-    if cjk / total >= DOMINANT_SHARE:
+    if other / total >= OTHER_SHARE or zh + en == 0:
+        return "other"
+    if zh / (zh + en) >= DOMINANT_SHARE:
         return "zh"
-    if latin / total >= DOMINANT_SHARE:
+    if en / (zh + en) >= DOMINANT_SHARE:
         return "en"
     return "mixed"
 

@@ -135,14 +135,21 @@ def test_priority_rejected_with_readable_message() -> None:
     [
         ("你好，世界", "zh"),
         ("Hello, world", "en"),
-        ("用python写一个函数", "mixed"),  # 6 ideographs vs 6 letters
-        ("请解释一下 machine learning 的原理", "mixed"),
+        # Was "mixed" (6 ideographs vs 6 letters); a reader sees a Chinese sentence naming Python (issue 12).
+        ("用python写一个函数", "zh"),
+        # Was "mixed"; an English term inside a Chinese sentence leaves it Chinese.
+        ("请解释一下 machine learning 的原理", "zh"),
+        ("把下面这段话翻译成中文：Machine learning models need lots of labelled data to generalise.", "mixed"),
+        ("Java里的HashMap和TreeMap有什么区别？", "zh"),
+        ("这段代码报错KeyError: 'id' is missing，怎么办？", "zh"),
         ("请解释 GPU 的原理和用途是什么", "zh"),  # a few Latin letters stay below 30%
         ("Explain 机器学习 in simple terms please", "en"),
         ("12345 !!! ???", "other"),
         ("", "other"),
         ("Привет мир", "other"),
         ("ＦＵＬＬ ｗｉｄｔｈ", "en"),
+        ("ラーメンを食べたい", "other"),  # kana: Japanese, though it has a kanji
+        ("¿Cuál es la capital de Francia?", "other"),  # Latin script, not English
     ],
 )
 def test_detect_language(text: str, expected: str) -> None:
