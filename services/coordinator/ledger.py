@@ -24,6 +24,8 @@ class BlockLedger:
         self.held: dict[str, list[int]] = {}        # request id -> its blocks, in position order
         self.stale: dict[str, list[int]] = {}       # rebuilt: the old epoch's blocks, freed by the replay's first frame
         self.releasing: dict[str, list[int]] = {}   # a Release is under way: freed once every stage has answered
+        self.generation = 0      # bumped whenever the mirrored cache is forgotten (in load reports: routing's
+                                 # prefix affinity to this pipeline is void from then on)
 
     # --- sizing ------------------------------------------------------------------------------------------
     def configure(self, capacity_blocks: int, block: int, caching: bool) -> None:
@@ -38,6 +40,7 @@ class BlockLedger:
         """Forget what the stages have cached (they may have restarted, or a stage refused a predicted hit):
         only hits are lost, never correctness."""
         self.pool.drop_cache()
+        self.generation += 1
 
     def blocks(self, positions: int) -> int:
         return -(-positions // self.block)

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from services.coordinator.engine import DuplicateRequest, Engine, Failure
+from services.coordinator.load import LoadWatch
 from services.coordinator.pipeline import PipelineDown
 from services.coordinator.scheduler import Request
 from tether.engine.sequence import Sequence
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 _BATCH_BYTES = 256 * 1024
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S) -> None:
         self.engine = engine
