@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
 class TetherError(Exception):
-    """Any failed call. `.code` is the grpc.StatusCode, `.message` the server's explanation."""
+    """Any failed call. `.code` is the grpc.StatusCode, `.message` the server's explanation, `.retry_after`
+    the server's RetryInfo delay in seconds (None when it gave none).
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+    After the SDK's retries (tether.client.retry): `.attempts` is how many attempts the call made, `.gave_up`
+    why no further one was made ("" when the code is simply not retried, or retries were off).
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+                 retry_after: float | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+        self.attempts = 1
+        self.gave_up = ""
 
 
 class InvalidArgument(TetherError):
@@ -23,6 +33,11 @@ class InvalidArgument(TetherError):
 
 class Unavailable(TetherError):
     """Admission or the pipeline behind it is not serving right now; retrying later may succeed."""
+
+
+class Aborted(TetherError):
+    """The server gave up on this run of the request (e.g. tokens it could not verify); a new attempt may
+    succeed."""
 
 
 class DeadlineExceeded(TetherError):
@@ -34,8 +49,7 @@ class ResourceExhausted(TetherError):
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
                  retry_after: float | None = None) -> None:
-        super().__init__(message, code)
-        self.retry_after = retry_after
+        super().__init__(message, code, retry_after)
 
 
 class ReceiptMismatch(TetherError):
@@ -50,6 +64,8 @@ _BY_CODE: dict[grpc.StatusCode, type[TetherError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
 }
 
 
@@ -58,7 +74,10 @@ def retry_after(trailing_metadata) -> float | None:
     for key, value in trailing_metadata or ():
         if key != STATUS_DETAILS_KEY:
             continue
-        status = status_pb2.Status.FromString(value)
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:   # a garbled detail must not hide the status it came with
+            return None
         for detail in status.details:
             if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                 info = error_details_pb2.RetryInfo()
@@ -70,6 +89,6 @@ def retry_after(trailing_metadata) -> float | None:
 def from_rpc_error(error: grpc.RpcError) -> TetherError:
     """Translate a failed gRPC call (sync or aio) into the matching TetherError."""
     code, message = error.code(), error.details() or ""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(message, code, retry_after(error.trailing_metadata()))
-    return _BY_CODE.get(code, TetherError)(message, code)
+    # Any code may carry RetryInfo: admission's overload refusals do, and so does UNAVAILABLE from an open
+    # circuit breaker.
+    return _BY_CODE.get(code, TetherError)(message, code, retry_after(error.trailing_metadata()))
