@@ -182,7 +182,7 @@ _EN_TENS: dict[str, int] = {
     "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
     "seventy": 70, "eighty": 80, "ninety": 90,
 }
-_EN_SCALES: dict[str, int] = {"hundred": 100, "thousand": 1000}
+_EN_SCALES: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 1000}
 # Articles stand for one in "in a sentence", "in a single word".
 _EN_ONE_ARTICLES = frozenset({"a", "an", "single", "a single"})
 
@@ -215,7 +215,8 @@ def chinese_numeral_to_int(text: str) -> int:
 def english_numeral_to_int(text: str) -> int:
     """Convert English number words ("twenty-five", "one hundred and fifty") to an int.
 
-    "a", "an", "single" and "a single" count as one. Raises ValueError otherwise.
+    "a", "an", "single" and "a single" count as one, and "a"/"an" before a scale is one
+    of it ("a dozen", "a hundred"). Raises ValueError otherwise.
     """
     cleaned = " ".join(text.lower().replace("-", " ").split())
     if cleaned in _EN_ONE_ARTICLES:
@@ -224,13 +225,18 @@ def english_numeral_to_int(text: str) -> int:
         raise ValueError("empty English numeral")
     total = 0
     current = 0
-    for word in cleaned.split(" "):
+    words = cleaned.split(" ")
+    if len(words) > 1 and words[0] in ("a", "an") and words[1] in _EN_SCALES:
+        words = words[1:]
+    for word in words:
         if word == "and":
             continue
         if word in _EN_ONES:
             current += _EN_ONES[word]
         elif word in _EN_TENS:
             current += _EN_TENS[word]
+        elif word == "dozen":
+            current = (current or 1) * 12
         elif word == "hundred":
             current = (current or 1) * 100
         elif word == "thousand":
@@ -462,15 +468,22 @@ _EN_DIGITS = (
 # follows a number (a unit, "years") is never a number word, so giving words back
 # cannot make a match, and not trying saves the backtracking on every failed start.
 _EN_WORDS = (
-    rf"(?>{_EN_WORD}(?:{_EN_WORD_GAP}(?:and{_EN_WORD_GAP})?{_EN_WORD}){{0,{_MAX_EN_NUMBER_WORDS - 1}}})"
+    rf"(?>(?:\ban?{_EN_WORD_GAP}(?=(?:{'|'.join(_EN_SCALES)})\b))?"  # "a dozen", "a hundred"
+    rf"{_EN_WORD}(?:{_EN_WORD_GAP}(?:and{_EN_WORD_GAP})?{_EN_WORD}){{0,{_MAX_EN_NUMBER_WORDS - 1}}})"
 )
 _EN_NUM_ALTERNATIVES = rf"{_EN_DIGITS}|{_EN_WORDS}"
 _EN_NUM = rf"({_EN_NUM_ALTERNATIVES})"
+# "two or three sentences", "2-3 sentences": the range's upper end is the cap, so the lower is skipped.
+_EN_RANGE_LEAD = (
+    rf"(?:(?:{_EN_NUM_ALTERNATIVES}){_SEP}(?:or|to){_SEP}|[0-9]{{1,{_MAX_DIGITS}}}\s{{0,2}}[-–]\s{{0,2}})?"
+)
+_CN_RANGE_LEAD = rf"(?:[0-9{_CN_NUMERAL_CHARS}]{{1,4}}{_GAP}(?:到|至|或|-|~|～){_GAP})?"  # 三到五句话
 _EN_UNIT = r"(words?|characters?|chars?|letters?|sentences?|tokens?)\b"
 _EN_PREFIX = (
     rf"(?:under|below|fewer{_SEP}than|less{_SEP}than|no{_SEP}more{_SEP}than|not{_SEP}more{_SEP}than|"
     rf"no{_SEP}longer{_SEP}than|not{_SEP}exceeding|not{_SEP}to{_SEP}exceed|at{_SEP}most|within|up{_SEP}to|"
-    rf"max(?:imum)?\.?(?:{_SEP}of)?|limit(?:ed)?{_SEP}(?:to|of)|capped{_SEP}at)"
+    rf"max(?:imum)?\.?(?:{_SEP}of)?|limit(?:ed)?{_SEP}(?:to|of)|capped{_SEP}at|"
+    rf"(?:keep|limit){_SEP}(?:it|this|that|(?:your|the){_SEP}(?:answer|response|reply|summary)){_SEP}(?:to|at))"
 )
 
 # Each pattern has exactly two groups: (number, unit).
@@ -478,15 +491,19 @@ _CONSTRAINT_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
     re.compile(p, re.IGNORECASE)
     for p in (
         # 不超过50字 / 最多50个字 / 控制在50字 / 不超过三句话 / 不超过200个词
-        rf"{_CN_PREFIX}{_GAP}(?:用{_GAP})?{_CN_NUM}{_GAP}{_CN_UNIT}",
+        rf"{_CN_PREFIX}{_GAP}(?:用{_GAP})?{_CN_RANGE_LEAD}{_CN_NUM}{_GAP}{_CN_UNIT}",
         # 50字以内 / 50字之内 / 3句话以内 / 100字以下
         rf"{_CN_NUM}{_GAP}{_CN_UNIT}{_GAP}(?:以内|之内|以下|内(?!容))",
         # 用一句话概括 / 用100字介绍
-        rf"用{_GAP}{_CN_NUM}{_GAP}{_CN_UNIT}",
+        rf"用{_GAP}{_CN_RANGE_LEAD}{_CN_NUM}{_GAP}{_CN_UNIT}",
+        # 概括成三句话 / 压缩成五十字
+        rf"(?:概括|总结|归纳|浓缩|压缩|缩写|精简|改写|写|说|讲){_GAP}成{_GAP}{_CN_NUM}{_GAP}{_CN_UNIT}",
+        # 一句话概括 / 两句话说明
+        rf"{_CN_NUM}{_GAP}(句话|句)(?={_GAP}(?:概括|总结|归纳|说明|解释|介绍|讲清|说清|回答|描述))",
         # at most 50 words / in under 50 words / within 100 characters / max 20 tokens
-        rf"\b{_EN_PREFIX}{_SEP}{_EN_NUM}{_SEP}{_EN_UNIT}",
+        rf"\b{_EN_PREFIX}{_SEP}{_EN_RANGE_LEAD}{_EN_NUM}{_SEP}{_EN_UNIT}",
         # in one sentence / in a single word / in 3 sentences
-        rf"\bin{_SEP}(a{_SEP}single|an?|single|{_EN_NUM_ALTERNATIVES}){_SEP}{_EN_UNIT}",
+        rf"\bin{_SEP}{_EN_RANGE_LEAD}(a{_SEP}single|an?|single|{_EN_NUM_ALTERNATIVES}){_SEP}{_EN_UNIT}",
         # 50 words or less / 20 tokens max
         rf"{_EN_NUM}{_SEP}{_EN_UNIT}{_SEP}(?:or{_SEP}(?:less|fewer|under)|max(?:imum)?|at{_SEP}most|tops)\b",
         # a 50-word summary / a one-sentence answer
@@ -530,6 +547,45 @@ def _matched_number(text: str, m: re.Match[str]) -> int | None:
         return None
 
 
+# "each under ten words", "每条不超过二十字": a cap on each item of the answer, not on the answer.
+_PER_ITEM_BEFORE = re.compile(
+    r"(?:\beach(?:\s{1,4}in)?|\bper\s{1,4}[a-z]{1,12}|每一?[条个句点项段首行种步][\u4e00-\u9fff]{0,4})"
+    r"\s{0,4}(?:都\s{0,4})?(?:要\s{0,4})?\Z",
+    re.IGNORECASE,
+)
+_PER_ITEM_AFTER = re.compile(r"\s{0,4}(?:each|apiece)\b", re.IGNORECASE)
+_PER_ITEM_LOOKBACK = 24
+# The number of items, just before the per-item cap: "four tips", "3 reasons", "三条建议".
+_ITEM_COUNT = re.compile(
+    rf"(?<![a-z0-9])({_EN_NUM_ALTERNATIVES}){_SEP}"
+    r"(?!(?:words?|characters?|chars?|letters?|sentences?|tokens?|or|and|to|of)\b)[a-z]"
+    rf"|{_CN_NUM}{_GAP}[条个点项句段首种步]",
+    re.IGNORECASE,
+)
+_ITEM_COUNT_LOOKBACK = 64
+MAX_ITEMS = 100
+
+
+def _per_item_count(text: str, m: re.Match[str]) -> int | None:
+    """For a per-item cap, the number of items (0 when not stated); None for a cap on the whole answer.
+
+    Looks only a bounded distance around the match, so it stays O(1) per constraint.
+    """
+    marker = _PER_ITEM_BEFORE.search(text, max(0, m.start() - _PER_ITEM_LOOKBACK), m.start())
+    if marker is None and _PER_ITEM_AFTER.match(text, m.end()) is None:
+        return None
+    end = marker.start() if marker else m.start()
+    count = 0
+    for c in _ITEM_COUNT.finditer(text, max(0, end - _ITEM_COUNT_LOOKBACK), end):
+        raw = c.group(1) or c.group(2)
+        try:
+            value = parse_number(raw)
+        except ValueError:
+            continue
+        count = value if 0 < value <= MAX_ITEMS else 0
+    return count
+
+
 def _normalize_unit(raw: str) -> str:
     """BUDGET_RULES unit for a matched unit word; "" if unknown (a case-folded look-alike)."""
     unit = raw.lower()
@@ -541,6 +597,9 @@ def _normalize_unit(raw: str) -> str:
 def find_length_constraints(prompt: str) -> list[tuple[int, str]]:
     """Every explicit length constraint in the prompt as (limit, unit), in text order.
 
+    A cap on each of N items ("four tips, each under ten words") caps the answer at N times it;
+    a per-item cap with no count of items caps nothing.
+
     Limits of zero are dropped: they carry no usable budget. So are limits above
     MAX_LENGTH_LIMIT: no prompt means them, and they would overflow the budget maths.
     """
@@ -551,6 +610,10 @@ def find_length_constraints(prompt: str) -> list[tuple[int, str]]:
     for m, raw_unit in matches:
         limit = _matched_number(text, m)
         unit = _normalize_unit(raw_unit)
+        items = _per_item_count(text, m)
+        if items is not None and limit is not None:
+            # N items of at most M each cap the answer at N*M; with no N they do not cap it at all.
+            limit = limit * items
         if limit is not None and 0 < limit <= MAX_LENGTH_LIMIT and unit:
             found.append((m.start(), limit, unit))
     found.sort(key=lambda item: item[0])

@@ -238,6 +238,18 @@ def test_parse_number_dispatches() -> None:
         ("Write a 50-word summary", (50, "words")),
         ("100 words or less", (100, "words")),
         ("in under one hundred and fifty words", (150, "words")),
+        # numbers in words with an article, ranges (the upper end caps), "keep it to"
+        ("Reply in under a thousand words", (1000, "words")),
+        ("two dozen words or less", (24, "words")),
+        ("Keep your answer to twenty words", (20, "words")),
+        ("Describe it in four or five sentences", (5, "sentences")),
+        ("in 2-4 sentences", (4, "sentences")),
+        ("用两到三句话回答", (3, "sentences")),
+        ("把这段话压缩成八十字", (80, "chars")),
+        ("一句话说明原因", (1, "sentences")),
+        # a cap on each of N items caps the answer at N times it
+        ("Name five rivers, each in under 6 words", (30, "words")),
+        ("给出四个标题，每个不超过十二个字", (48, "chars")),
     ],
 )
 def test_parse_length_constraint(prompt: str, expected: tuple[int, str]) -> None:
@@ -253,6 +265,8 @@ def test_parse_length_constraint(prompt: str, expected: tuple[int, str]) -> None
         "Write at least 200 words",
         "He is a 5-year-old boy",
         "",
+        "每个标题不超过十二个字",  # a cap on each item, and no count of items: no cap on the answer
+        "Give some ideas, each under 10 words",
     ],
 )
 def test_no_length_constraint(prompt: str) -> None:
