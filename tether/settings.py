@@ -28,6 +28,8 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256             # messages in one conversation; their contents share MAX_PROMPT_BYTES
 OVERLOAD_RETRY_AFTER_S = 1.0   # RetryInfo delay admission suggests when it refuses for overload
 READINESS_POLL_S = 1.0         # how often admission asks its coordinator whether it is serving
+LOAD_REPORT_INTERVAL_S = 0.25  # how often each coordinator streams its load to admission (Coordinator.Watch)
+ROUTE_POLICY = "features"      # admission's routing: features | least-loaded | round-robin (services/admission/routing.py)
 # A request whose client set no deadline gets this one (admission, and the coordinator for its own peers):
 # a wedged request ends with DEADLINE_EXCEEDED instead of waiting forever.
 MAX_REQUEST_LIFETIME_S = 600.0

@@ -1,0 +1,240 @@
+"""The pipelines behind one admission: a link per coordinator (its channel, its Session stream, its live load
+over `Coordinator.Watch`, its circuit breaker, what this admission has sent there), and the choice of one per
+request (services/admission/routing.py) with shedding when the choice says the request cannot be served in
+time (services/admission/limits.py).
+
+A pipeline is routable while its last load report says it serves this admission's model and its breaker
+lets requests through. A Watch stream that breaks marks its pipeline down (and trips its breaker) until a
+new stream delivers a report.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+import xxhash
+
+from services.admission.breaker import CircuitBreaker
+from services.admission.limits import Refusal, shed_by_deadline
+from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
+from tether import settings
+from tether.grpcutil import channel
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Tokens of a prompt's start that identify its prefix for affinity when the tagger found no system prompt: one
+# KV block, the smallest prefix the stages cache.
+PREFIX_TOKENS = settings.ATTENTION_BLOCK
+# The coordinator statuses that say something about the pipeline (a breaker counts them); a cancel, bad input
+# or a deadline the caller set do not.
+PIPELINE_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+def parse_coordinators(spec: str) -> list[tuple[str, frozenset[str]]]:
+    """`HOST:PORT[=ROLE+ROLE],...` -> [(address, roles)]: roles are size classes (short, medium, long)."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        address, _, roles = item.partition("=")
+        role_set = frozenset(r.strip() for r in roles.split("+") if r.strip())
+        bad = role_set - {"short", "medium", "long"}
+        if bad or ":" not in address:
+            raise ValueError(f"bad coordinator {item!r}: expected HOST:PORT or HOST:PORT=ROLE[+ROLE] with roles "
+                             f"among short, medium, long")
+        out.append((address.strip(), role_set))
+    if not out:
+        raise ValueError("no coordinator given")
+    if len({a for a, _ in out}) != len(out):
+        raise ValueError(f"a coordinator is listed twice in {spec!r}")
+    return out
+
+
+def routing_key(token_ids: list[int], system_prefix_key: int, tenant: str) -> int:
+    """What prefix affinity follows: the tagger's system-prompt key, else the prompt's first KV block; salted
+    with the tenant, whose prefixes the stages never share with another tenant anyway. 0: none."""
+    if system_prefix_key:
+        return xxhash.xxh3_64_intdigest(f"{tenant}\0{system_prefix_key}".encode())
+    if len(token_ids) < PREFIX_TOKENS:
+        return 0
+    h = xxhash.xxh3_64(tenant.encode() + b"\0")
+    h.update(array.array("I", token_ids[:PREFIX_TOKENS]).tobytes())
+    return h.intdigest() or 1
+
+
+@dataclasses.dataclass
+class Routed:
+    """A request's place on a pipeline, from `Pipelines.choose` until `Pipelines.finished`."""
+
+    link: "PipelineLink"
+    cost: float
+    reason: str
+
+
+class PipelineLink:
+    """One coordinator, as admission sees it."""
+
+    def __init__(self, address: str, roles: frozenset[str], session_factory: Callable, fingerprint: str,
+                 breaker: CircuitBreaker | None = None) -> None:
+        self.address = address
+        self.channel = channel(address, settings.COORDINATOR_MAX_MESSAGE_BYTES)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.session = session_factory(self.stub)
+        self.fingerprint = fingerprint
+        self.load = PipelineLoad(address, roles=roles)
+        self.reason = "no load report yet"       # why it is not routable, while it is not
+        self.breaker = breaker or CircuitBreaker()
+        self.outstanding = 0.0                   # predicted cost of requests sent here, not finished
+        self.in_flight = 0
+        self.slots_per_step = settings.MAX_BATCH_SLOTS    # the coordinator's batch limits, from its reports
+        self.tokens_per_step = settings.MAX_BATCH_TOKENS
+
+    @property
+    def serving(self) -> bool:
+        return self.load.serving
+
+    def report(self, r: coordinator_pb2.LoadReport) -> None:
+        if not r.serving:
+            serving, why = False, f"coordinator not serving: {r.status or 'no reason given'}"
+        elif r.model_fingerprint != self.fingerprint:
+            # its tokenizer and receipts would not match ours: routing there would give wrong answers
+            serving, why = False, f"coordinator serves model {r.model_fingerprint}, admission loaded {self.fingerprint}"
+        else:
+            serving, why = True, "serving"
+        self.load = PipelineLoad(
+            self.address, serving=serving, max_context=r.max_context, kv_blocks_total=r.kv_blocks_total,
+            kv_blocks_free=r.kv_blocks_free, block_tokens=r.kv_block_tokens or settings.ATTENTION_BLOCK,
+            running=r.running, waiting=r.waiting, step_seconds=r.step_seconds, work=r.work,
+            cache_generation=r.cache_generation, roles=self.load.roles)
+        self.slots_per_step = r.max_batch_slots or settings.MAX_BATCH_SLOTS
+        self.tokens_per_step = r.max_batch_tokens or settings.MAX_BATCH_TOKENS
+        self.reason = why
+
+    def down(self, why: str) -> None:
+        self.load = dataclasses.replace(self.load, serving=False)
+        self.reason = why
+        self.breaker.trip()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class Pipelines:
+    """Every pipeline behind this admission, and the choice of one per request."""
+
+    def __init__(self, coordinators: list[tuple[str, frozenset[str]]], fingerprint: str,
+                 session_factory: Callable, policy: str = "features",
+                 watch_interval_s: float = settings.LOAD_REPORT_INTERVAL_S) -> None:
+        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint) for a, roles in coordinators}
+        self.router = Router(policy)
+        self.watch_interval_s = watch_interval_s
+        self.changed = asyncio.Event()           # a pipeline's routability changed (admission's health follows)
+
+    # --- readiness ------------------------------------------------------------------------------------------
+    def ready(self) -> tuple[bool, str]:
+        serving = [l for l in self.links.values() if l.serving]
+        if serving:
+            return True, f"{len(serving)} of {len(self.links)} pipeline(s) serving"
+        why = "; ".join(f"{l.address}: {l.reason}" for l in self.links.values())
+        return False, f"no pipeline serving ({why})"
+
+    async def watch(self, link: PipelineLink) -> None:
+        """Follow one coordinator's load reports forever; reconnect after a broken stream (supervised)."""
+        request = coordinator_pb2.WatchRequest(interval_s=self.watch_interval_s)
+        while True:
+            was = link.serving
+            try:
+                async for report in link.stub.Watch(request):
+                    link.report(report)
+                    if link.serving != was:
+                        was = link.serving
+                        if link.serving:
+                            link.breaker.success()
+                        self.changed.set()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the coordinator ended Watch")
+            except grpc.aio.AioRpcError as e:
+                link.down(f"coordinator unreachable: {e.code().name} {e.details()}")
+            if was:
+                self.changed.set()
+            await asyncio.sleep(settings.READINESS_POLL_S)
+
+    def start_watching(self) -> list[asyncio.Task]:
+        # A fresh context: a watch serves every request, it must not carry the one that started it.
+        return [asyncio.create_task(self.watch(l), context=contextvars.Context()) for l in self.links.values()]
+
+    # --- a request's route ----------------------------------------------------------------------------------
+    def choose(self, req: RouteRequest, deadline_s: float | None) -> Routed:
+        """Pick a pipeline for `req`, or raise Refused: no pipeline can take it, or none would start it before
+        its deadline (`deadline_s`: seconds left, None when the caller set none)."""
+        links = list(self.links.values())
+        try:
+            decision = self.router.route(req, [l.load for l in links],
+                                         {l.address: l.outstanding for l in links},
+                                         {l.address: l.in_flight for l in links},
+                                         lambda name: self.links[name].breaker.would_allow())
+        except NoPipeline as e:
+            if e.retryable:
+                wait = min([l.breaker.retry_after_s() for l in links if l.breaker.retry_after_s() > 0] or
+                           [settings.OVERLOAD_RETRY_AFTER_S])
+                raise Refused(grpc.StatusCode.UNAVAILABLE, str(e), max(wait, 0.1)) from None
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), None) from None
+        link = self.links[decision.pipeline]
+        wait = predicted_wait_s(link.load, link.in_flight, req, link.slots_per_step, link.tokens_per_step)
+        shed: Refusal | None = shed_by_deadline(wait, deadline_s)
+        if shed is not None:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, shed.message, shed.retry_after_s)
+        if not link.breaker.allow():    # a half-open breaker's probe slot went to another request meanwhile
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"pipeline {link.address} is being probed after failures; "
+                                                       f"retry shortly", max(0.1, link.breaker.retry_after_s()))
+        link.outstanding += req.cost
+        link.in_flight += 1
+        return Routed(link, req.cost, f"{decision.pipeline} ({decision.policy}: {decision.reason})")
+
+    def finished(self, routed: Routed, code: grpc.StatusCode | None) -> None:
+        """The request ended: `code` None when it finished, else its status. Feeds the pipeline's breaker."""
+        link = routed.link
+        link.outstanding = max(0.0, link.outstanding - routed.cost)
+        link.in_flight -= 1
+        if code is None:
+            link.breaker.success()
+        elif code in PIPELINE_FAILURES:
+            link.breaker.failure()
+
+    def stats(self) -> list[dict]:
+        return [{"address": l.address, "serving": l.serving, "reason": l.reason, "breaker": l.breaker.state,
+                 "breaker_opens": l.breaker.opens, "in_flight": l.in_flight, "running": l.load.running,
+                 "waiting": l.load.waiting} for l in self.links.values()]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(l.close() for l in self.links.values()))
+
+
+class Refused(Exception):
+    """Admission will not route this request now: the status to answer with, and when to retry (None: don't)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
+
+
+async def follow_readiness(pipelines: Pipelines, on_change: Callable[[bool, str], Awaitable[None]]) -> None:
+    """Call `on_change` with admission's readiness whenever a pipeline's routability changes (supervised)."""
+    last: tuple[bool, str] | None = None
+    while True:
+        now = pipelines.ready()
+        if now != last:
+            await on_change(*now)
+            last = now
+        pipelines.changed.clear()
+        try:
+            async with asyncio.timeout(settings.READINESS_POLL_S):
+                await pipelines.changed.wait()
+        except TimeoutError:
+            pass

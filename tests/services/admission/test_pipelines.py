@@ -1,0 +1,105 @@
+"""The pipelines' pure parts: the coordinators flag, the prefix key, a link's reading of load reports, the
+choice with shedding and breakers (links built without a server: no call is made until a request starts)."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.admission.pipelines import (PREFIX_TOKENS, Pipelines, Refused, parse_coordinators, routing_key)
+from services.admission.routing import RouteRequest
+from tether.v1 import coordinator_pb2
+
+
+def test_parse_coordinators():
+    assert parse_coordinators("127.0.0.1:1, h:2=long, h:3=short+medium") == [
+        ("127.0.0.1:1", frozenset()), ("h:2", frozenset({"long"})), ("h:3", frozenset({"short", "medium"}))]
+    for bad in ["", "h", "h:1=huge", "h:1,h:1"]:
+        with pytest.raises(ValueError):
+            parse_coordinators(bad)
+
+
+def test_routing_key_follows_system_prompt_or_first_block_and_tenant():
+    ids = list(range(200))
+    assert routing_key(ids[:PREFIX_TOKENS - 1], 0, "a") == 0           # shorter than a block: no key
+    k = routing_key(ids, 0, "a")
+    assert k and k == routing_key(ids[:PREFIX_TOKENS] + [9, 9], 0, "a")   # same first block, same key
+    assert k != routing_key(ids, 0, "b")                                  # tenants never share
+    assert k != routing_key([1] + ids[1:], 0, "a")
+    assert routing_key([1, 2], 77, "a") == routing_key([3], 77, "a") != routing_key([3], 78, "a")
+
+
+def report(**kw):
+    base = dict(serving=True, status="serving", model_fingerprint="fp", max_context=2048, kv_blocks_total=64,
+                kv_blocks_free=64, kv_block_tokens=64, step_seconds=0.05, max_batch_slots=32, max_batch_tokens=512)
+    base.update(kw)
+    return coordinator_pb2.LoadReport(**base)
+
+
+def make(n=2):
+    async def build():
+        return Pipelines([(f"127.0.0.1:{9 + i}", frozenset()) for i in range(n)], "fp", lambda stub: None)
+    return asyncio.run(build())
+
+
+def test_a_link_serves_only_its_model_and_only_while_reported_serving():
+    p = make(1)
+    (link,) = p.links.values()
+    assert not p.ready()[0] and "no load report" in p.ready()[1]
+    link.report(report())
+    assert p.ready()[0]
+    link.report(report(model_fingerprint="other"))
+    assert not link.serving and "serves model other" in link.reason
+    link.report(report(serving=False, status="recovering: stage down"))
+    assert not p.ready()[0] and "recovering: stage down" in p.ready()[1]
+
+
+def test_choose_spreads_by_predicted_cost_and_counts_outstanding_work():
+    p = make(2)
+    for link in p.links.values():
+        link.report(report())
+    req = RouteRequest(prompt_tokens=32, max_tokens=16)
+    a = p.choose(req, None)
+    b = p.choose(req, None)
+    assert a.link is not b.link                       # the first one's outstanding work counts at once
+    p.finished(a, None)
+    p.finished(b, None)
+    assert all(l.outstanding == 0 and l.in_flight == 0 for l in p.links.values())
+
+
+def test_refusals_none_serving_too_big_and_past_deadline():
+    p = make(1)
+    (link,) = p.links.values()
+    with pytest.raises(Refused) as e:
+        p.choose(RouteRequest(32, 16), None)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s > 0
+    link.report(report(max_context=64))
+    with pytest.raises(Refused) as e:
+        p.choose(RouteRequest(100, 16), None)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.retry_after_s is None
+    link.report(report(step_seconds=1.0, waiting=320))
+    with pytest.raises(Refused) as e:
+        p.choose(RouteRequest(32, 16), deadline_s=2.0)   # 10 steps queued ahead at 1 s each
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "deadline" in e.value.message
+    assert p.choose(RouteRequest(32, 16), deadline_s=60.0).link is link
+
+
+def test_failures_open_the_breaker_and_traffic_moves():
+    p = make(2)
+    bad, good = p.links.values()
+    bad.report(report())
+    good.report(report(serving=False))
+    for _ in range(bad.breaker.failure_threshold):
+        r = p.choose(RouteRequest(32, 16), None)
+        assert r.link is bad
+        p.finished(r, grpc.StatusCode.UNAVAILABLE)
+    assert bad.breaker.state == "open" and bad.in_flight == 0 and bad.outstanding == 0
+    with pytest.raises(Refused) as e:                 # its report still says serving: the breaker rules
+        p.choose(RouteRequest(32, 16), None)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s > 0
+    good.report(report())
+    assert all(p.choose(RouteRequest(32, 16), None).link is good for _ in range(5))
+    # a cancelled request says nothing about the pipeline
+    r = p.choose(RouteRequest(32, 16), None)
+    p.finished(r, grpc.StatusCode.CANCELLED)
+    assert good.breaker.failures == 0
