@@ -103,3 +103,16 @@ SUPERVISE_BACKOFF_CAP_S = 10.0
 SUPERVISE_STABLE_S = 30.0
 SUPERVISE_MAX_RESTARTS = 5
 SUPERVISE_WINDOW_S = 60.0
+
+# Telemetry (tether/telemetry/). Every service serves Prometheus metrics on --metrics-port (0: off, the
+# default). These are the ports `tether up --metrics`, docker-compose.yml and deploy/k8s use: the gRPC port's
+# last digits on 9xxx (admission 50051 -> 9051, coordinator 50061 -> 9061, stage i 50071+i -> 9071+i).
+ADMISSION_METRICS_PORT = 9051
+COORDINATOR_METRICS_PORT = 9061
+STAGE_METRICS_BASE_PORT = 9071
+# Tenants are a label of admission's per-tenant counter; past this many distinct tenants in one process the
+# rest are counted under "_other", so a client inventing tenant names cannot grow the metrics without bound.
+METRICS_MAX_TENANTS = 64
+METRICS_PORT = 0                 # a service's --metrics-port when not given: off
+LOG_FORMATS = ("text", "json")   # --log-format: json is one object per line (tether/telemetry/logs.py)
+LOG_FORMAT = "text"

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from pathlib import Path
 
 from services.admission.front_work import FrontWork, model_limits
 from services.admission.server import AdmissionServicer, track_readiness
 from services.admission.validate import ModelLimits
-from tether import settings, supervise
+from tether import settings, supervise, telemetry
 from tether.procutil import follow_parent
-from tether.grpcutil import Server, channel, configure_logging
+from tether.grpcutil import Server, channel
+from tether.telemetry import logs, metrics
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
+log = logging.getLogger("admission")
 SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
 
 
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lifetime of a request whose caller set no deadline; past it the call ends with "
                         "DEADLINE_EXCEEDED (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="(default: %(default)s)")
+                   help="logging level (default: %(default)s)")
+    telemetry.add_flags(p)
     return p
 
 
@@ -65,8 +69,12 @@ async def serve(args: argparse.Namespace) -> None:
     coordinator = channel(args.coordinator, settings.COORDINATOR_MAX_MESSAGE_BYTES)
     server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
                     max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
+    registry = metrics.new_registry() if args.metrics_port else None
     servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent,
                                  args.max_request_seconds, work=work)
+    if registry is not None:
+        servicer.metrics = metrics.AdmissionMetrics(registry, lambda: servicer.limit.active, args.max_concurrent,
+                                                    lambda: servicer.ready)
     admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
     # NOT_SERVING until the readiness loop has seen the coordinator serve our model.
     await server.set_serving(False)
@@ -77,8 +85,11 @@ async def serve(args: argparse.Namespace) -> None:
 
     readiness = supervise.start("readiness", lambda: track_readiness(server, servicer, coordinator, fingerprint),
                                 not_ready)
-    print(f"admission listening on {args.host}:{server.port} (coordinator {args.coordinator}, "
-          f"model {args.model} {fingerprint})", flush=True)
+    if registry is not None:
+        port = metrics.serve(registry, args.host, args.metrics_port)
+        logs.announce(log, f"admission metrics on http://{args.host}:{port}/metrics")
+    logs.announce(log, f"admission listening on {args.host}:{server.port} (coordinator {args.coordinator}, "
+                       f"model {args.model} {fingerprint})")
     try:
         await server.wait_for_signal()
     finally:
@@ -90,5 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     follow_parent()
-    configure_logging("admission", args.log_level)
-    asyncio.run(serve(args))
+    logs.configure("admission", args.log_level, args.log_format)
+    try:
+        asyncio.run(serve(args))
+    except OSError as e:   # e.g. a --port or --metrics-port in use
+        raise SystemExit(f"tether admission: {e}")

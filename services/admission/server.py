@@ -10,8 +10,10 @@ the caller's `request_id` is a label, echoed in the receipt and never a key down
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
@@ -27,6 +29,8 @@ from services.admission.validate import ModelLimits, ValidRequest
 from tether import settings
 from tether.grpcutil import Server
 from tether.protocol.hashing import messages_digest, prompt_digest
+from tether.telemetry import logs
+from tether.telemetry.metrics import AdmissionMetrics
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     def __init__(self, coordinator: grpc.aio.Channel, coordinator_target: str, model: ModelLimits,
                  model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
-                 tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None) -> None:
+                 tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None,
+                 metrics: AdmissionMetrics | None = None) -> None:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
         self.session = CoordinatorSession(self.coordinator)   # every request's tokens, over one stream
         self.coordinator_target = coordinator_target
@@ -95,6 +100,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         self.ready = False                               # set by track_readiness
         self.not_ready_reason = "admission has not reached its coordinator yet"
         self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
+        self.metrics = metrics                           # None: --metrics-port off, nothing observed
 
     def set_ready(self, ready: bool, reason: str) -> None:
         self.ready, self.not_ready_reason = ready, reason
@@ -103,6 +109,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
+        arrived = time.perf_counter()
         await self._check_ready(context)
         await self._acquire(context)
         a: Admitted | None = None
@@ -110,7 +117,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             a = await self._admit(request, context)
             response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags), seed=a.valid.sampling.seed)
             text: list[str] = []
-            async with aclosing(self._generate(request, a, context)) as events:
+            async with aclosing(self._generate(request, a, context, arrived)) as events:
                 async for event, receipt in events:
                     response.token_ids.append(event.token_id)
                     text.append(event.text)
@@ -124,6 +131,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
+        arrived = time.perf_counter()
         await self._check_ready(context)
         await self._acquire(context)
         a: Admitted | None = None
@@ -131,7 +139,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             a = await self._admit(request, context)
             # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
             # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
-            async with aclosing(self._generate(request, a, context)) as events:
+            async with aclosing(self._generate(request, a, context, arrived)) as events:
                 async for event, receipt in events:
                     chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
                                                         text=event.text, finish_reason=event.finish_reason)
@@ -162,6 +170,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def _check_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Never forward while the coordinator is down or serves another model: that answer would be wrong."""
         if not self.ready:
+            self._shed("not_ready")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
 
     async def _admit(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
@@ -173,21 +182,26 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             else:
                 valid, tags = await self.work.run(request, self.tag_budget_s)
         except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
+            self._shed("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
+            self._shed("tag_timeout")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the prompt took longer than {self.tag_budget_s:g} s to tokenize and tag; "
                                 f"send a shorter prompt")
         except BrokenProcessPool:
+            self._shed("worker_died")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "admission's tokenizer worker died while handling "
                                                              "this request; it was restarted: retry")
         except Exception as e:   # noqa: BLE001 - a bug must reach the caller as a status that says so
             log.exception("admitting a request failed")
+            self._shed("internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"admission failed to process the request: {e!r}")
         a = Admitted(uuid.uuid4().hex, valid, tags)
         if take_label and valid.request_id:
             key = (valid.tenant, valid.request_id)
             if key in self.labels:
+                self._shed("duplicate_label")
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request_id {valid.request_id!r} is already in flight for tenant "
                                     f"{valid.tenant or '(default)'}; use a new request_id per request")
@@ -206,16 +220,23 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         """Take a slot under the concurrency cap, or refuse with RESOURCE_EXHAUSTED and a RetryInfo detail."""
         if self.limit.try_acquire():
             return
+        self._shed("overload")
         message = (f"admission is at its limit of {self.limit.limit} concurrent requests; "
                    f"retry in {settings.OVERLOAD_RETRY_AFTER_S:g} s")
         details = retry_status_details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, settings.OVERLOAD_RETRY_AFTER_S)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, ((STATUS_DETAILS_KEY, details),))
 
+    def _shed(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.shed.labels(reason).inc()
+
     async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted,
-                        context: grpc.aio.ServicerContext,
+                        context: grpc.aio.ServicerContext, arrived: float,
                         ) -> AsyncIterator[tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]]:
-        """Yield the coordinator's events in order, the last one with its receipt; abort on any error."""
+        """Yield the coordinator's events in order, the last one with its receipt; abort on any error.
+        `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there)."""
         valid, tags, rid = a.valid, a.tags, a.internal_id
+        logs.set_request(rid, valid.request_id)   # this handler's task: every line it logs carries the id
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(valid.sampling)
         sampling.max_tokens = tags.output_budget
@@ -228,8 +249,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                                                label=valid.request_id,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining)
         events = self.session.start(submit)
+        timer = self.metrics.start(valid.tenant, len(valid.prompt_token_ids), arrived) if self.metrics else None
         failure: tuple[grpc.StatusCode, str] | None = None
         ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
+        finished = False         # ... with its last token
         try:
             count = 0
             while True:
@@ -252,10 +275,14 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                                                          f"got {event.index} (request {rid})")
                     break
                 count += 1
+                if timer is not None:
+                    timer.token(time.perf_counter())
                 if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield event, None
                     continue
-                ended = True
+                ended = finished = True
+                if timer is not None:
+                    timer.finished(FINISH_REASONS.get(event.finish_reason, "unknown"), time.perf_counter())
                 yield event, common_pb2.Receipt(
                     request_id=valid.request_id, prompt_digest=request_digest(request),
                     prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
@@ -264,11 +291,18 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         finally:
             # Runs on client disconnect and deadline too (grpc.aio cancels this task): stop the coordinator's work.
             self.session.end(rid, cancel=not ended)
+            if timer is not None and not finished:
+                timer.failed(failure[0].name if failure else "CANCELLED")
+            # One line per request at DEBUG (free at INFO): with --log-format json, an access log keyed by id.
+            log.debug("request %s ended: %s after %d token(s)", rid,
+                      "finished" if finished else failure[0].name if failure else "CANCELLED", count)
         log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
 
 
 STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# FINISH_REASON_LENGTH -> "length": the `finished_reason` label of tether:request_success_total
+FINISH_REASONS = {v: n.removeprefix("FINISH_REASON_").lower() for n, v in common_pb2.FinishReason.items()}
 _SESSION_BATCH_BYTES = 256 * 1024   # submits per SessionMessage: one prompt alone is far under the 1 MiB limit
 
 
@@ -291,7 +325,10 @@ class _SessionStream:
         self.cancels: list[str] = []
         self.wake = asyncio.Event()
         self.broken = False
-        self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
+        # A fresh context: the stream serves every request, so it must not inherit the request context (log
+        # request id) of the request that happened to open it.
+        self.tasks = [asyncio.create_task(self._write(), context=contextvars.Context()),
+                      asyncio.create_task(self._read(), context=contextvars.Context())]
 
     async def _write(self) -> None:
         try:

@@ -97,6 +97,7 @@ class Engine:
         self.down_since: float | None = None          # set while recovering in-flight requests
         self.counters = Counters()
         self._background: set[asyncio.Task] = set()
+        self.on_batch: Callable[[list[Request]], None] = lambda batch: None   # telemetry hook: a frame's requests
 
     # --- requests ---------------------------------------------------------------------------------------
     def submit(self, req: Request) -> asyncio.Queue:
@@ -274,6 +275,7 @@ class Engine:
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed, cached_prefix=r.cached) for r in batch]
                 self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
+                self.on_batch(batch)
                 await self.pipeline.send(slots)
             self._after_schedule()
             if self.to_release:

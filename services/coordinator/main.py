@@ -9,12 +9,13 @@ import logging
 from services.coordinator.engine import Engine
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
-from tether import grpcutil, settings, supervise
+from tether import grpcutil, settings, supervise, telemetry
 from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
-from tether.v1 import coordinator_pb2_grpc
+from tether.telemetry import logs, metrics
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "comparisons; the stages still cache, and the KV accounting is unchanged)")
     add_experiment_flags(p, "the frames this coordinator sends")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    telemetry.add_flags(p)
     return p
 
 
@@ -71,13 +73,22 @@ async def serve(args: argparse.Namespace) -> None:
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving, stream_idle_s=args.stream_idle,
                     prefix_cache=not args.no_prefix_cache)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-        CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds),
-        server.server)
+    registry = metrics.new_registry() if args.metrics_port else None
+    observed = metrics.CoordinatorMetrics(registry) if registry is not None else None
+    servicer = CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
+    if registry is not None:
+        servicer.metrics, engine.on_batch = observed, observed.on_batch
+        loop = asyncio.get_running_loop()
+        # the very Stats reply gRPC clients get, built on the loop that owns the engine's state
+        registry.register(metrics.CoordinatorCollector(
+            lambda: metrics.on_loop(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
+        port = metrics.serve(registry, args.host, args.metrics_port)
+        logs.announce(log, f"coordinator metrics on http://{args.host}:{port}/metrics")
     await server.set_serving(False)
     loop_task = supervise.start("engine", engine.run, engine.crashed)
-    print(f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})", flush=True)
+    logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
     try:
         await server.wait_for_signal()
     finally:
@@ -89,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     follow_parent()
-    grpcutil.configure_logging("coordinator", args.log_level)
+    logs.configure("coordinator", args.log_level, args.log_format)
     args.fault_config = experiment_config(parser, args, log)
     try:
         asyncio.run(serve(args))

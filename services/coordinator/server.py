@@ -17,6 +17,8 @@ from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
 from tether import settings
 from tether.protocol.hashing import hash_seed
+from tether.telemetry import logs
+from tether.telemetry.metrics import CoordinatorMetrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S) -> None:
         self.engine = engine
+        self.metrics: CoordinatorMetrics | None = None   # set by main.py with --metrics-port; None: nothing observed
         self.max_lifetime_s = max_lifetime_s
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -56,6 +59,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         rid = request.request_id
+        logs.set_request(rid, request.label)
         req = self._request(request)
         try:
             events = self.engine.submit(req)
@@ -63,6 +67,9 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except DuplicateRequest as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        failed: str | None = None   # the status code name of a Failure, for the metrics
+        if self.metrics is not None:
+            self.metrics.submitted(rid)
         # A caller that set no deadline still gets one: nothing waits forever on a wedged request. (A gRPC
         # deadline, which admission always sets, cancels this handler by itself.)
         loop = asyncio.get_running_loop()
@@ -81,6 +88,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
                                             f"{self.max_lifetime_s:g} s (the caller set no deadline)")
                 if isinstance(ev, Failure):
                     finished = True
+                    failed = ev.code.name
                     await context.abort(ev.code, ev.message)
                 yield coordinator_pb2.TokenEvent(index=ev.index, token_id=ev.token_id, text=ev.text,
                                                  finish_reason=ev.finish_reason, context_hash=ev.context_hash)
@@ -90,6 +98,8 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             if not finished:   # client went away, the call was cancelled or ran out of time: free it now
                 self.engine.cancel(rid, only=req)
+            if self.metrics is not None:
+                self.metrics.ended(rid, failed)
 
     def _request(self, request: coordinator_pb2.SubmitRequest) -> Request:
         seq = Sequence(request.request_id, list(request.prompt_token_ids), request.sampling, self.tokenizer,
@@ -154,8 +164,11 @@ class _Session:
         except DuplicateRequest as e:
             self._fail(rid, grpc.StatusCode.ALREADY_EXISTS, str(e))
             return
+        if self.svc.metrics is not None:
+            self.svc.metrics.submitted(rid)
         timeout_s = request.timeout_s if request.timeout_s > 0 else self.svc.max_lifetime_s
-        self.follows[rid] = asyncio.create_task(self._follow(rid, req, events, timeout_s, request.timeout_s > 0))
+        self.follows[rid] = asyncio.create_task(self._follow(rid, request.label, req, events, timeout_s,
+                                                             request.timeout_s > 0))
 
     def _cancel(self, rid: str) -> None:
         task = self.follows.get(rid)
@@ -172,14 +185,18 @@ class _Session:
         self._fail(rid, grpc.StatusCode.DEADLINE_EXCEEDED, why)
         task.cancel()
 
-    async def _follow(self, rid: str, req: Request, events: asyncio.Queue, timeout_s: float, given: bool) -> None:
+    async def _follow(self, rid: str, label: str, req: Request, events: asyncio.Queue, timeout_s: float,
+                      given: bool) -> None:
+        logs.set_request(rid, label)   # this task's own context: its log lines carry the request's id
         finished = False
+        failed: str | None = None      # the status code name of a Failure, for the metrics
         timer = self.loop.call_later(timeout_s, self._expire, rid, timeout_s, given)
         try:
             while True:
                 ev = await events.get()
                 if isinstance(ev, Failure):
                     finished = True
+                    failed = ev.code.name
                     self._fail(rid, ev.code, ev.message)
                     return
                 self._emit(coordinator_pb2.TokenEvent(request_id=rid, index=ev.index, token_id=ev.token_id,
@@ -194,6 +211,8 @@ class _Session:
                 del self.follows[rid]
             if not finished:   # cancelled, expired or the stream ended: free it now
                 self.svc.engine.cancel(rid, only=req)
+            if self.svc.metrics is not None:
+                self.svc.metrics.ended(rid, failed)
             if not self.follows:
                 self.ready.set()   # the writer checks whether the stream is done
 

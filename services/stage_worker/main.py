@@ -10,11 +10,12 @@ import torch
 
 from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import FrameLimits, StageWorker
-from tether import grpcutil, settings, supervise
+from tether import grpcutil, settings, supervise, telemetry
 from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
+from tether.telemetry import logs, metrics
 
 log = logging.getLogger("stage")
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     add_experiment_flags(p, "this stage's traffic (the frames it forwards, the replies it answers)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    telemetry.add_flags(p)
     return p
 
 
@@ -79,13 +81,21 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = StageServicer(worker, fingerprint, address, kv_capacity, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
                              max_streams_per_peer=args.max_streams_per_peer)
-    from tether.v1 import stage_pb2_grpc
+    from tether.v1 import stage_pb2, stage_pb2_grpc
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     await server.start()
+    if args.metrics_port:
+        registry = metrics.new_registry()
+        loop = asyncio.get_running_loop()
+        # the very Stats reply gRPC clients get (its figures are read on the step thread, between steps)
+        registry.register(metrics.StageCollector(
+            lambda: metrics.on_loop(loop, lambda: servicer.Stats(stage_pb2.StageStatsRequest(), None))))
+        port = metrics.serve(registry, args.host, args.metrics_port)
+        logs.announce(log, f"stage metrics on http://{args.host}:{port}/metrics")
     await server.set_serving(True)
     leases = supervise.start("lease", servicer.expire_leases)
-    print(f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, model {fingerprint})",
-          flush=True)
+    logs.announce(log, f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, "
+                       f"model {fingerprint})")
     try:
         await server.wait_for_signal()
     finally:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             or args.stream_idle <= 0:
         parser.error("--max-streams, --max-streams-per-peer, --max-frame-rows and --max-frame-slots must be >= 1 "
                      "and --stream-idle > 0")
-    grpcutil.configure_logging("stage", args.log_level)
+    logs.configure("stage", args.log_level, args.log_format)
     args.fault_config = experiment_config(parser, args, log)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,6 +39,11 @@ class Service:
     address: str
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    metrics_address: str | None = None   # HOST:PORT of its /metrics, when metrics are on
+
+    @property
+    def metrics_url(self) -> str | None:
+        return f"http://{self.metrics_address}/metrics" if self.metrics_address else None
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -46,27 +51,43 @@ class Service:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def default_metrics_ports(stages: int) -> dict[str, int]:
+    """Service name -> its --metrics-port in `tether up --metrics`, docker-compose.yml and deploy/k8s."""
+    ports = {f"stage{i}": settings.STAGE_METRICS_BASE_PORT + i for i in range(stages)}
+    ports.update(coordinator=settings.COORDINATOR_METRICS_PORT, admission=settings.ADMISSION_METRICS_PORT)
+    return ports
+
+
 def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission_port: int = settings.ADMISSION_PORT,
                      coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
-                     threads: int = 0, extra: dict[str, list[str]] | None = None) -> list[Service]:
-    """The commands of a cluster, in start order (stages, coordinator, admission)."""
+                     threads: int = 0, extra: dict[str, list[str]] | None = None,
+                     metrics_ports: dict[str, int] | None = None) -> list[Service]:
+    """The commands of a cluster, in start order (stages, coordinator, admission). `metrics_ports` (service
+    name -> port, e.g. default_metrics_ports()) turns on every service's /metrics; None leaves them off."""
     stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages)]
     extra = extra or {}
     py = [sys.executable, "-m"]
     services = []
+
+    def add(name: str, argv: list[str], port: int, role: str) -> None:
+        svc = Service(name, argv, f"{host}:{port}")
+        if metrics_ports is not None:
+            svc.argv += ["--metrics-port", str(metrics_ports[name])]
+            svc.metrics_address = f"{host}:{metrics_ports[name]}"
+        svc.argv += extra.get(role, [])
+        services.append(svc)
+
     for i in range(stages):
         argv = py + ["services.stage_worker", "--host", host, "--port", str(stage_ports[i]), "--model", model,
                      "--layers", f"{i}/{stages}"]
         if threads:
             argv += ["--threads", str(threads)]
-        services.append(Service(f"stage{i}", argv + extra.get("stage", []), f"{host}:{stage_ports[i]}"))
+        add(f"stage{i}", argv, stage_ports[i], "stage")
     route = ",".join(s.address for s in services)
-    services.append(Service("coordinator", py + ["services.coordinator", "--host", host, "--port",
-                                                 str(coordinator_port), "--model", model, "--stages", route]
-                            + extra.get("coordinator", []), f"{host}:{coordinator_port}"))
-    services.append(Service("admission", py + ["services.admission", "--host", host, "--port", str(admission_port),
-                                               "--model", model, "--coordinator", f"{host}:{coordinator_port}"]
-                            + extra.get("admission", []), f"{host}:{admission_port}"))
+    add("coordinator", py + ["services.coordinator", "--host", host, "--port", str(coordinator_port), "--model",
+                             model, "--stages", route], coordinator_port, "coordinator")
+    add("admission", py + ["services.admission", "--host", host, "--port", str(admission_port), "--model", model,
+                           "--coordinator", f"{host}:{coordinator_port}"], admission_port, "admission")
     return services
 
 
@@ -80,6 +101,8 @@ class LocalCluster:
     stage_port: int = settings.STAGE_BASE_PORT   # stage i listens on stage_port + i
     threads: int = 0
     log_dir: Path | None = None      # None: children write to this process's stdout/stderr
+    metrics: bool = False            # every service serves /metrics: on free ports when the gRPC ports are
+                                     # free ones, else on default_metrics_ports()
     extra: dict[str, list[str]] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
 
@@ -96,12 +119,17 @@ class LocalCluster:
         even_split(num_layers, self.stages)     # fail early with a clear message
         free = self.admission_port == 0
         ports = [free_port(self.host) for _ in range(self.stages + 2)] if free else None
+        metrics_ports = None
+        if self.metrics:
+            metrics_ports = default_metrics_ports(self.stages)
+            if free:
+                metrics_ports = {name: free_port(self.host) for name in metrics_ports}
         self.services = service_commands(
             self.model, self.stages, self.host,
             admission_port=ports[0] if free else self.admission_port,
             coordinator_port=ports[1] if free else self.coordinator_port,
             stage_ports=ports[2:] if free else [self.stage_port + i for i in range(self.stages)],
-            threads=self.threads, extra=self.extra)
+            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports)
         for svc in self.services:
             self.spawn(svc)
         self.wait_ready(timeout)

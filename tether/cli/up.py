@@ -73,10 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "crash stops the cluster with that child's exit code and log (default: %(default)s)")
     p.add_argument("--no-restart", action="store_true",
                    help="never restart: the first child to exit stops the cluster (same as --max-restarts 0)")
+    p.add_argument("--metrics", action="store_true",
+                   help=f"every service serves Prometheus metrics: admission on :{settings.ADMISSION_METRICS_PORT}"
+                        f"/metrics, the coordinator on :{settings.COORDINATOR_METRICS_PORT}, stage i on "
+                        f":{settings.STAGE_METRICS_BASE_PORT}+i (the ports docker-compose.yml and deploy/k8s use)")
+    p.add_argument("--log-format", choices=settings.LOG_FORMATS, default=settings.LOG_FORMAT,
+                   help="every service's log format: text, or json (one object per line, with the request id on "
+                        "lines about a request) (default: %(default)s)")
     p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                    help="write each service's output to DIR/NAME.log instead of this terminal; a child that "
                         "makes the launcher give up then has its last log lines shown")
     return p
+
+
+def log_format_extra(fmt: str) -> dict[str, list[str]]:
+    """LocalCluster `extra`: every service gets --log-format unless it is the default (commands stay short)."""
+    if fmt == settings.LOG_FORMAT:
+        return {}
+    return {role: ["--log-format", fmt] for role in ("stage", "coordinator", "admission")}
 
 
 def _show(asked: str, params: dict, r) -> None:
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
     cluster = LocalCluster(model=args.model, stages=args.stages, host=args.host, admission_port=args.port,
                            coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
-                           log_dir=args.log_dir)
+                           log_dir=args.log_dir, metrics=args.metrics, extra=log_format_extra(args.log_format))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -130,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start(timeout=args.timeout)
         for svc in cluster.services:
-            print(f"  {svc.name:<12} {svc.address}  (pid {svc.proc.pid})", flush=True)
+            metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
+            print(f"  {svc.name:<12} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
         if args.demo:

@@ -1,0 +1,24 @@
+"""Telemetry shared by every service: Prometheus metrics (metrics.py) and structured logs (logs.py).
+
+Tracing (OpenTelemetry over OTLP, issue 13 part 1) belongs here too, as tracing.py, when it lands: the services
+call one setup function per concern from their main.py, so none of this leaks into the serving code paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tether import settings
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port and --log-format, the same on every service."""
+    parser.add_argument("--metrics-port", type=int, default=settings.METRICS_PORT, metavar="PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: --host); 0 turns them "
+                             "off (default: %(default)s; `tether up --metrics`, docker-compose.yml and deploy/k8s "
+                             f"use admission {settings.ADMISSION_METRICS_PORT}, coordinator "
+                             f"{settings.COORDINATOR_METRICS_PORT}, stage i {settings.STAGE_METRICS_BASE_PORT}+i)")
+    parser.add_argument("--log-format", default=settings.LOG_FORMAT, choices=settings.LOG_FORMATS,
+                        help="text: one readable line per record; json: one JSON object per line with ts, level, "
+                             "service, logger, message and, on lines about a request, request_id "
+                             "(default: %(default)s)")

@@ -1,0 +1,343 @@
+"""Prometheus metrics of every service: names, collectors, the /metrics endpoint.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` ...) with a `tether:` prefix, so dashboards and habits
+carry over. Two kinds of source, chosen so the serving hot path does no extra work:
+
+- Figures each service already keeps for its gRPC `Stats` reply (the coordinator's engine counters, scheduler
+  figures and block ledger; a stage's worker counters and KV pool) are read at scrape time by a custom
+  collector from the very `Stats` message the service builds (`CoordinatorCollector`, `StageCollector`): one
+  source of truth, and nothing is counted twice.
+- Per-request latencies are histograms observed where the request's tokens are already seen: admission
+  (`AdmissionMetrics`: time to first token, inter-token latency, end-to-end) and the coordinator's scheduler
+  boundary (`CoordinatorMetrics`: queue time, through Engine.on_batch).
+
+Collection runs on prometheus-client's HTTP thread. A snapshot of state owned by an asyncio loop is taken on
+that loop (`on_loop`), never read from the HTTP thread while the loop mutates it.
+
+Every metric name is in METRIC_NAMES; tests hold the Grafana dashboard and the docs to that list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tether import settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PREFIX = "tether:"
+SCRAPE_TIMEOUT_S = 5.0   # a snapshot the owning loop has not taken by then fails the scrape (Prometheus: up=0)
+
+# Buckets as vLLM's, with finer low ends for the inter-token latency (a CPU pipeline step is milliseconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry of this process's own (not the library's global one, so tests can hold several), with the
+    standard process metrics (CPU seconds, resident memory, open files)."""
+    prometheus_client.disable_created_metrics()   # `_created` series double every counter for nothing here
+    registry = CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=registry)
+    return registry
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serve `registry` as /metrics on host:port (0 picks a free port) from a daemon thread; returns the port."""
+    try:
+        server, _thread = prometheus_client.start_http_server(port, host, registry)
+    except OSError as e:
+        raise OSError(f"--metrics-port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return server.server_address[1]
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], T], timeout: float = SCRAPE_TIMEOUT_S) -> T:
+    """Run `fn` on `loop` (which owns the state it reads) and wait for its result from another thread."""
+    async def call() -> T:
+        result = fn()
+        if asyncio.iscoroutine(result):
+            result = await result
+        return result
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
+
+
+# ------------------------------------------------------------------------------------- mapping Stats messages
+
+def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_, value=value)
+
+
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, help_, value=value)
+
+
+def _labelled(name: str, help_: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, help_, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+class _StatsCollector(Collector):
+    """Maps the Stats message `snapshot()` returns to metric families at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families(self.snapshot())
+
+    def families(self, stats) -> Iterable[Metric]:   # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class CoordinatorCollector(_StatsCollector):
+    """The coordinator's engine, from its `coordinator_pb2.StatsReply`."""
+
+    def families(self, s) -> Iterable[Metric]:
+        yield _gauge("pipeline_serving", "1 while the coordinator's pipeline is assembled and serving", s.serving)
+        yield _gauge("num_requests_running", "Requests in the running set (holding KV blocks on the stages)",
+                     s.running)
+        yield _gauge("num_requests_waiting", "Requests waiting to start (including preempted ones)", s.waiting)
+        yield _gauge("num_requests_preempted", "Waiting requests that were preempted and will be recomputed",
+                     s.preempted)
+        yield _gauge("kv_blocks_used", "KV blocks held by requests (the coordinator's ledger of every stage)",
+                     s.kv_blocks_used)
+        yield _gauge("kv_blocks_cached", "KV blocks nobody holds, kept for prefix hits (evictable)",
+                     s.kv_blocks_cached)
+        yield _gauge("kv_blocks_total", "KV blocks in the route's pool (the smallest stage's)", s.kv_blocks_total)
+        yield _gauge("prefix_cache_hit_rate", "Requests started from a cached prefix / requests that consulted "
+                     "the prefix cache, since start", _ratio(s.prefix_hits, s.prefix_queries))
+        yield _gauge("engine_step_seconds", "Recent mean time from a frame's send to its reply", s.step_seconds)
+        yield _counter("prefix_cache_queries", "Requests started with the prefix cache consulted", s.prefix_queries)
+        yield _counter("prefix_cache_hits", "Requests started with a cached prefix", s.prefix_hits)
+        yield _counter("prefix_cache_hit_tokens", "Context positions taken from the prefix cache instead of "
+                       "computed", s.prefix_hit_tokens)
+        yield _counter("prefix_cache_misses", "Cached prefixes a stage could not confirm (replayed cold)",
+                       s.prefix_misses)
+        yield _counter("engine_prompt_tokens", "Context tokens of requests started, restarts after a preemption "
+                       "included", s.prompt_tokens)
+        yield _counter("engine_computed_tokens", "Context positions the stages computed (prefill and decode rows)",
+                       s.computed_tokens)
+        yield _counter("engine_generation_tokens", "Tokens appended after their stamps checked", s.tokens_generated)
+        yield _counter("engine_requests_finished", "Requests the engine finished", s.requests_finished)
+        yield _counter("engine_requests_failed", "Requests the engine failed explicitly", s.requests_failed)
+        yield _labelled("integrity_rejections", "Slots whose state could not be verified, by reason (stage "
+                        "RejectReason names, ECHO_MISMATCH, TOKEN_HASH_MISMATCH, FRAME_LOST, STATE_LOST, "
+                        "PREFIX_MISS)", "reason", dict(s.rejections))
+        yield _counter("rebuilds", "Request states replayed from position 0 under a new epoch", s.rebuilds)
+        yield _counter("resumes", "Requests resumed after a sync found every stage consistent", s.resumes)
+        yield _counter("recovered_requests", "Requests that finished after at least one rebuild or resume",
+                       s.recovered)
+        yield _counter("pipeline_reconnects", "Times the pipeline was re-handshaken after breaking",
+                       s.pipeline_reconnects)
+        yield _counter("preemptions", "Requests preempted to free KV blocks", s.preemptions)
+        yield _labelled("faults_injected", "Faults this process injected (experiments only), by kind", "kind",
+                        dict(s.faults_injected))
+
+
+class StageCollector(_StatsCollector):
+    """One stage worker, from its `stage_pb2.StageStats`."""
+
+    def families(self, s) -> Iterable[Metric]:
+        yield _gauge("stage_requests_held", "Requests with KV state on this stage", s.requests_held)
+        yield _gauge("stage_kv_blocks_used", "KV blocks held by live requests on this stage", s.kv_blocks_used)
+        yield _gauge("stage_kv_blocks_cached", "KV blocks kept for prefix hits on this stage (evictable)",
+                     s.kv_blocks_cached)
+        yield _gauge("stage_kv_blocks_total", "This stage's KV pool in blocks", s.kv_blocks_total)
+        yield _gauge("stage_kv_used_tokens", "KV positions held on this stage", s.kv_used_tokens)
+        yield _gauge("stage_kv_capacity_tokens", "This stage's KV pool in positions", s.kv_capacity_tokens)
+        yield _gauge("stage_forward_streams", "Forward streams open now", s.forward_streams)
+        yield _gauge("stage_replies_queued", "Replies waiting for their clients to read them", s.replies_queued)
+        yield _gauge("stage_prefix_cache_hit_rate", "Slots that found their whole cached prefix / slots that asked, "
+                     "since start", _ratio(s.prefix_hits, s.prefix_queries))
+        yield _counter("stage_prefix_cache_queries", "Slots that asked for a cached prefix", s.prefix_queries)
+        yield _counter("stage_prefix_cache_hits", "Slots that found every block of their cached prefix",
+                       s.prefix_hits)
+        yield _counter("stage_prefix_cache_hit_tokens", "Positions taken from the cache instead of computed",
+                       s.prefix_hit_tokens)
+        yield _counter("stage_prefix_cache_evictions", "Cached blocks evicted to make room", s.prefix_evictions)
+        yield _counter("stage_busy_seconds", "Wall time spent in steps (rate() of it is the busy fraction)",
+                       s.busy_seconds)
+        yield _counter("stage_steps", "Frames with at least one slot processed", s.steps)
+        yield _labelled("stage_rejections", "Slots this stage rejected, by RejectReason", "reason",
+                        dict(s.rejections))
+        yield _labelled("stage_refusals", "Frames or streams refused by a limit, by limit", "limit",
+                        dict(s.refusals))
+        yield _labelled("stage_faults_injected", "Faults this stage injected (experiments only), by kind", "kind",
+                        dict(s.faults_injected))
+
+
+# ------------------------------------------------------------------------------------- the coordinator's own
+
+class CoordinatorMetrics:
+    """What the coordinator observes per request: its queue time (submission to its first frame, once per
+    request) and its failures."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Time from submission to the coordinator until the request's first frame is "
+                                    "sent (waiting for KV room and a batch slot)",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.failures = Counter(PREFIX + "engine_request_failures", "Requests the coordinator failed, by gRPC "
+                                "status code", ["code"], registry=registry)
+        self.failed_recoveries = Counter(PREFIX + "failed_recoveries", "Requests whose recovery failed: "
+                                         "rebuild_budget (ABORTED: rebuilds and resumes used up), pipeline_down "
+                                         "(UNAVAILABLE: the pipeline was not back within the recovery window)",
+                                         ["reason"], registry=registry)
+        self.pending: dict[str, float] = {}     # request id -> when it was submitted, until its first frame
+
+    def submitted(self, request_id: str) -> None:
+        self.pending[request_id] = time.perf_counter()
+
+    def on_batch(self, batch: Iterable) -> None:
+        """Engine.on_batch: the requests of a frame about to be sent. A request's first frame ends its queue
+        time; a frame after a rebuild or a preemption does not count again (its id is no longer pending)."""
+        if not self.pending:
+            return
+        now = time.perf_counter()
+        for req in batch:
+            t = self.pending.pop(req.id, None)
+            if t is not None:
+                self.queue_time.observe(now - t)
+
+    def ended(self, request_id: str, code_name: str | None = None) -> None:
+        """The request ended (with a failure's status code name, if it failed)."""
+        self.pending.pop(request_id, None)
+        if code_name is None:
+            return
+        self.failures.labels(code_name).inc()
+        if code_name == "ABORTED":
+            self.failed_recoveries.labels("rebuild_budget").inc()
+        elif code_name == "UNAVAILABLE":
+            self.failed_recoveries.labels("pipeline_down").inc()
+
+
+# ------------------------------------------------------------------------------------- admission
+
+class AdmissionMetrics:
+    """The front door: per-request latencies as the client sees them, tokens, requests per tenant, refusals."""
+
+    def __init__(self, registry: CollectorRegistry, in_flight: Callable[[], int] = lambda: 0,
+                 max_concurrent: int = 0, ready: Callable[[], bool] = lambda: False,
+                 max_tenants: int = settings.METRICS_MAX_TENANTS) -> None:
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from the request's arrival at "
+                              "admission to its first token", buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two successive tokens of a "
+                             "request, at admission", buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from the request's arrival at "
+                             "admission to its last token", buckets=LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests sent to the "
+                                     "coordinator", registry=registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens streamed to clients",
+                                         registry=registry)
+        self.requests = Counter(PREFIX + "requests", "Requests admitted and sent to the coordinator, by tenant "
+                                f"(past {max_tenants} tenants: _other)", ["tenant"], registry=registry)
+        self.success = Counter(PREFIX + "request_success", "Requests that ended with their last token, by finish "
+                               "reason", ["finished_reason"], registry=registry)
+        self.failures = Counter(PREFIX + "request_failures", "Admitted requests that ended with an error status, "
+                                "by gRPC code (CANCELLED: the client went away)", ["code"], registry=registry)
+        self.shed = Counter(PREFIX + "requests_shed", "Requests refused by admission before reaching the "
+                            "coordinator, by reason: overload (concurrency cap), not_ready, invalid, tag_timeout, "
+                            "duplicate_label, worker_died, internal", ["reason"], registry=registry)
+        self.max_tenants = max_tenants
+        self.tenants: set[str] = set()
+        registry.register(_AdmissionGauges(in_flight, max_concurrent, ready))
+
+    def tenant_label(self, tenant: str) -> str:
+        label = tenant or "(default)"
+        if label in self.tenants:
+            return label
+        if len(self.tenants) >= self.max_tenants:
+            return "_other"
+        self.tenants.add(label)
+        return label
+
+    def start(self, tenant: str, prompt_tokens: int, arrived: float) -> "RequestTimer":
+        self.requests.labels(self.tenant_label(tenant)).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        return RequestTimer(self, arrived)
+
+
+class RequestTimer:
+    """One request's latencies. `arrived` and every time given are time.perf_counter() values."""
+
+    __slots__ = ("m", "arrived", "last", "tokens")
+
+    def __init__(self, metrics: AdmissionMetrics, arrived: float) -> None:
+        self.m, self.arrived, self.last, self.tokens = metrics, arrived, 0.0, 0
+
+    def token(self, now: float) -> None:
+        if self.tokens:
+            self.m.itl.observe(now - self.last)
+        else:
+            self.m.ttft.observe(now - self.arrived)
+        self.last = now
+        self.tokens += 1
+
+    def finished(self, reason: str, now: float) -> None:
+        self.m.e2e.observe(now - self.arrived)
+        self.m.generation_tokens.inc(self.tokens)
+        self.m.success.labels(reason).inc()
+
+    def failed(self, code_name: str) -> None:
+        self.m.generation_tokens.inc(self.tokens)   # tokens the client did receive
+        self.m.failures.labels(code_name).inc()
+
+
+class _AdmissionGauges(Collector):
+    def __init__(self, in_flight: Callable[[], int], max_concurrent: int, ready: Callable[[], bool]) -> None:
+        self.in_flight, self.max_concurrent, self.ready = in_flight, max_concurrent, ready
+
+    def collect(self) -> Iterator[Metric]:
+        # plain int/bool reads of the loop's state: atomic under the GIL, no snapshot on the loop needed
+        yield _gauge("admission_requests_in_flight", "Requests holding a slot under admission's concurrency cap",
+                     self.in_flight())
+        yield _gauge("admission_max_concurrent", "Admission's concurrency cap (--max-concurrent)",
+                     self.max_concurrent)
+        yield _gauge("admission_ready", "1 while admission's coordinator serves its model", self.ready())
+
+
+# Every tether metric family a service can expose (as Prometheus names them: counters end in _total,
+# histograms have _bucket/_sum/_count series). The dashboard and docs are checked against it.
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds")
+
+
+def metric_names() -> set[str]:
+    """Every series name (histogram series, counters with _total) a tether service exposes."""
+    from tether.v1 import coordinator_pb2, stage_pb2
+
+    names: set[str] = set()
+    registry = CollectorRegistry()
+    AdmissionMetrics(registry)
+    m = CoordinatorMetrics(registry)
+    m.ended("x", "ABORTED")
+    registry.register(CoordinatorCollector(lambda: coordinator_pb2.StatsReply()))
+    registry.register(StageCollector(lambda: stage_pb2.StageStats()))
+    for family in registry.collect():
+        if family.type == "histogram":
+            names |= {family.name + s for s in ("_bucket", "_sum", "_count")}
+        elif family.type == "counter":
+            names.add(family.name + "_total")
+        else:
+            names.add(family.name)
+    return names
