@@ -10,15 +10,20 @@
         print(c.chat([{"role": "user", "content": "Hi"}]).text)   # a conversation; stream_chat too
 
 Every answer's receipt is checked against what this client sent; a mismatch raises ReceiptMismatch.
+Refused, unavailable and aborted calls are retried (tether.client.retry; `retry=` on the clients), streams only
+before their first token; `result.attempts` says how many attempts a call took.
 """
 
 from tether.client.aio import AsyncClient, AsyncStream
-from tether.client.errors import (DeadlineExceeded, InvalidArgument, ReceiptMismatch, ResourceExhausted, TetherError,
-                                  Unavailable)
+from tether.client.errors import (Aborted, DeadlineExceeded, InvalidArgument, ReceiptMismatch, ResourceExhausted,
+                                  TetherError, Unavailable)
+from tether.client.retry import Retrier, RetryBudget, RetryPolicy
 from tether.client.sync import Client, Stream
-from tether.types import Delta, GenerateResult, Receipt
+from tether.client.wire import GenerateResult
+from tether.types import Delta, Receipt
 
 __all__ = [
     "AsyncClient", "AsyncStream", "Client", "Stream", "Delta", "GenerateResult", "Receipt", "TetherError",
-    "InvalidArgument", "Unavailable", "DeadlineExceeded", "ResourceExhausted", "ReceiptMismatch",
+    "InvalidArgument", "Unavailable", "Aborted", "DeadlineExceeded", "ResourceExhausted", "ReceiptMismatch",
+    "RetryPolicy", "RetryBudget", "Retrier",
 ]

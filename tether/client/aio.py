@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.errors import from_rpc_error
+from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
-from tether.client.wire import (Messages, StreamAssembler, encode_messages, encode_prompt, result_from_response,
-                                sent_and_request, tag_request, tags_dict)
+from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
+from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
+                                result_from_response, sent_and_request, tag_request, tags_dict)
 from tether.grpcutil import channel
-from tether.types import Delta, GenerateResult
+from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
+
+T = TypeVar("T")
+
+
+async def _sleep(retrier: Retrier, delay: float, cancelled: asyncio.Event | None = None) -> None:
+    """The retrier's sleep (a plain function or a coroutine function), else asyncio's, cut short by `cancelled`."""
+    if retrier.sleep is not None:
+        slept = retrier.sleep(delay)
+        if inspect.isawaitable(slept):
+            await slept
+    elif cancelled is not None:
+        try:
+            await asyncio.wait_for(cancelled.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+    else:
+        await asyncio.sleep(delay)
 
 
 class AsyncStream:
@@ -22,10 +42,21 @@ class AsyncStream:
     When iteration ends, `.result` holds the whole `GenerateResult` with its receipt checked; `.tags` and `.seed`
     are set from the first chunk on. `cancel()` cancels the request on the server; call it when you stop
     iterating early (an abandoned async iterator is only closed when it is garbage collected).
+
+    Retries: a stream that fails with a retryable status (refused, unavailable, aborted) *before its first
+    token was handed to you* is started again as a new call, after the failed one has ended, like `generate`
+    (same policy, budget and deadline). Once a token has been handed to you a failure is raised instead:
+    tokens already shown cannot be taken back. `.attempts` counts the calls made.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, prompt: Sent, request_id: str) -> None:
-        self._call = call
+    def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall], prompt: Sent, request_id: str,
+                 run: RetryRun, retrier: Retrier) -> None:
+        self._start = start
+        self._prompt, self._request_id = prompt, request_id
+        self._run, self._retrier = run, retrier
+        self._cancelled = asyncio.Event()
+        self._delivered = False      # a Delta reached the caller: no retry from then on
+        self._call = start(run.attempt_timeout())
         self._assembler = StreamAssembler(prompt, request_id)
         self.result: GenerateResult | None = None
 
@@ -42,33 +73,70 @@ class AsyncStream:
         """The id admission minted for this request (set with the first token; "" before)."""
         return self._assembler.internal_id
 
+    @property
+    def attempts(self) -> int:
+        """Calls made for this stream so far: 1, or more after retries before the first token."""
+        return self._run.attempts
+
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        try:
-            async for chunk in self._call:
-                yield self._assembler.add(chunk)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            self._call.cancel()  # a no-op once the call completed
+        while True:
+            try:
+                try:
+                    async for chunk in self._call:
+                        delta = self._assembler.add(chunk)
+                        self._delivered = True
+                        yield delta
+                except grpc.aio.AioRpcError as e:
+                    raise from_rpc_error(e) from None
+                finally:
+                    self._call.cancel()  # a no-op once the call completed; ends it before any next attempt
+            except TetherError as error:
+                if self._delivered or self._cancelled.is_set():
+                    error.attempts = self._run.attempts
+                    if self._delivered:
+                        error.gave_up = STREAM_STARTED
+                    raise
+                delay = self._run.after_failure(error)
+                if delay is None:
+                    raise
+                await _sleep(self._retrier, delay, self._cancelled)
+                if self._cancelled.is_set():
+                    raise TetherError("the stream was cancelled while waiting to retry",
+                                      grpc.StatusCode.CANCELLED) from None
+                self._assembler = StreamAssembler(self._prompt, self._request_id)
+                self._call = self._start(self._run.attempt_timeout())
+                continue
+            break
         self.result = self._assembler.finish()
+        self.result.attempts = self._run.attempts
 
     def cancel(self) -> None:
+        self._cancelled.set()
         self._call.cancel()
 
 
 class AsyncClient:
     """`AsyncClient("127.0.0.1:50051")`: awaitable generate, stream and tag. Create it inside the event loop;
-    use `async with` or `await close()`."""
+    use `async with` or `await close()`.
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    `timeout` and `retry` as `tether.client.Client`: the timeout bounds all of a call's attempts together;
+    `retry` is a RetryPolicy, True (the default policy) or None/False (one attempt).
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
+                 retry: RetryPolicy | Retrier | bool | None = True) -> None:
         self.timeout = timeout
+        self.retrier = make_retrier(retry)
         self._channel = channel(target)
         self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
 
     async def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                        tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
-        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are."""
+        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are.
+
+        Retried per the client's policy; every attempt is a new call made after the previous one ended, and
+        its answer's receipt is checked. `.attempts` on the result says how many were made."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
                                          priority=priority, request_id=request_id)
@@ -77,7 +145,7 @@ class AsyncClient:
     async def chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                    tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
-        """The assistant's reply to a conversation, receipt checked; other parameters as `generate`.
+        """The assistant's reply to a conversation, receipt checked; other parameters (and retries) as `generate`.
 
         `messages`: [{"role": "user", "content": "Hi"}, ...] or [("user", "Hi"), ...]; roles system (first
         message only), user and assistant, the last one the user's. Admission renders them with the model's
@@ -91,38 +159,65 @@ class AsyncClient:
     def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start a request and return its `AsyncStream` (not awaited: iterate it); same parameters as `generate`."""
+        """Start a request and return its `AsyncStream` (not awaited: iterate it; retried only before its first
+        token); same parameters as `generate`."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
                                          priority=priority, request_id=request_id)
-        return AsyncStream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
+        return self._stream(request, sent, request_id)
 
     def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                     tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `AsyncStream`."""
+        """Start the assistant's reply to a conversation (as `chat`) and return its `AsyncStream` (retried only
+        before its first token)."""
         sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
                                          top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                          tenant=tenant, priority=priority, request_id=request_id)
-        return AsyncStream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
+        return self._stream(request, sent, request_id)
 
     async def tag(self, prompt: str | bytes | None = None, max_tokens: int = 64, tenant: str = "",
                   priority: str = "", *, messages: Messages | None = None) -> dict[str, Any]:
-        """The intent tags admission would give this prompt or conversation, without generating (dry run)."""
+        """The intent tags admission would give this prompt or conversation, without generating (dry run;
+        retried like `generate`, as it takes the same concurrency slot)."""
         pairs = encode_messages(messages) if messages is not None else ()
         data = encode_prompt(prompt) if prompt is not None else b""
         request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
-        try:
-            return tags_dict((await self._stub.Tag(request, timeout=self.timeout)).tags)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
+
+        async def attempt(timeout: float | None) -> dict[str, Any]:
+            try:
+                return tags_dict((await self._stub.Tag(request, timeout=timeout)).tags)
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e) from None
+        return (await self._with_retries(attempt))[0]
 
     async def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
-        try:
-            response = await self._stub.Generate(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        return result_from_response(response, sent, request_id)
+        async def attempt(timeout: float | None) -> GenerateResult:
+            try:
+                response = await self._stub.Generate(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e) from None
+            return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
+        result, attempts = await self._with_retries(attempt)
+        result.attempts = attempts
+        return result
+
+    async def _with_retries(self, attempt: Callable[[float | None], Awaitable[T]]) -> tuple[T, int]:
+        """Await `attempt(timeout)` until it returns or the policy gives up. An awaited unary call has ended
+        (answered or failed) when the await returns, so attempts never overlap."""
+        run = self.retrier.begin(self.timeout)
+        while True:
+            try:
+                return await attempt(run.attempt_timeout()), run.attempts
+            except TetherError as error:
+                delay = run.after_failure(error)
+                if delay is None:
+                    raise
+            await _sleep(self.retrier, delay)
+
+    def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> AsyncStream:
+        return AsyncStream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout), sent, request_id,
+                           self.retrier.begin(self.timeout), self.retrier)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.errors import from_rpc_error
+from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
-from tether.client.wire import (Messages, StreamAssembler, encode_messages, encode_prompt, result_from_response,
-                                sent_and_request, tag_request, tags_dict)
+from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
+from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
+                                result_from_response, sent_and_request, tag_request, tags_dict)
 from tether.grpcutil import KEEPALIVE_OPTIONS, message_options
 from tether import settings
-from tether.types import Delta, GenerateResult
+from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
+
+T = TypeVar("T")
 
 
 class Stream:
@@ -24,10 +29,22 @@ class Stream:
     receipt checked; `.tags` (dict) and `.seed` (the sampling seed used) are set from the first chunk on.
     Stopping early (break) or `cancel()` cancels the request on the server.
     Raises TetherError subclasses, ReceiptMismatch included, from the iteration.
+
+    Retries: a stream that fails with a retryable status (refused, unavailable, aborted) *before its first
+    token was handed to you* is started again as a new call, after the failed one has ended, like `generate`
+    (same policy, budget and deadline). Once a token has been handed to you a failure is raised instead:
+    tokens already shown cannot be taken back. `.attempts` counts the calls made.
     """
 
-    def __init__(self, call: grpc.Call, prompt: Sent, request_id: str) -> None:
-        self._call = call
+    def __init__(self, start: Callable[[float | None], grpc.Call], prompt: Sent, request_id: str, run: RetryRun,
+                 sleep: Callable[[float], object] | None) -> None:
+        self._start = start
+        self._prompt, self._request_id = prompt, request_id
+        self._run = run
+        self._cancelled = threading.Event()
+        self._sleep = sleep if sleep is not None else self._cancelled.wait   # a cancel() cuts the wait short
+        self._delivered = False      # a Delta reached the caller: no retry from then on
+        self._call = start(run.attempt_timeout())
         self._assembler = StreamAssembler(prompt, request_id)
         self.result: GenerateResult | None = None
 
@@ -44,36 +61,75 @@ class Stream:
         """The id admission minted for this request (set with the first token; "" before)."""
         return self._assembler.internal_id
 
+    @property
+    def attempts(self) -> int:
+        """Calls made for this stream so far: 1, or more after retries before the first token."""
+        return self._run.attempts
+
     def __iter__(self) -> Iterator[Delta]:
-        try:
-            for chunk in self._call:
-                yield self._assembler.add(chunk)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            self._call.cancel()  # a no-op once the call completed
+        while True:
+            try:
+                try:
+                    for chunk in self._call:
+                        delta = self._assembler.add(chunk)
+                        self._delivered = True
+                        yield delta
+                except grpc.RpcError as e:
+                    raise from_rpc_error(e) from None
+                finally:
+                    self._call.cancel()  # a no-op once the call completed; ends it before any next attempt
+            except TetherError as error:
+                if self._delivered or self._cancelled.is_set():
+                    error.attempts = self._run.attempts
+                    if self._delivered:
+                        error.gave_up = STREAM_STARTED
+                    raise
+                delay = self._run.after_failure(error)
+                if delay is None:
+                    raise
+                self._sleep(delay)
+                if self._cancelled.is_set():
+                    raise TetherError("the stream was cancelled while waiting to retry",
+                                      grpc.StatusCode.CANCELLED) from None
+                self._assembler = StreamAssembler(self._prompt, self._request_id)
+                self._call = self._start(self._run.attempt_timeout())
+                if self._cancelled.is_set():   # cancel() raced with the start: end the new call too
+                    self._call.cancel()
+                continue
+            break
         self.result = self._assembler.finish()
+        self.result.attempts = self._run.attempts
 
     def cancel(self) -> None:
+        self._cancelled.set()
         self._call.cancel()
 
 
 class Client:
     """`Client("127.0.0.1:50051")`: generate, stream and tag against an admission service.
 
-    `timeout` (seconds) bounds every call; None waits as long as the server takes. Use as a context manager
-    or call `close()`.
+    `timeout` (seconds) bounds every call, all its attempts together; None waits as long as the server takes.
+    `retry`: a `RetryPolicy` (tether.client.retry), True for the default one (3 attempts, full-jitter
+    backoff honouring the server's RetryInfo, a retry budget of 10% of requests), None or False for a single
+    attempt. Refused (RESOURCE_EXHAUSTED with RetryInfo), unavailable and aborted calls are retried; a
+    result's `.attempts` and an error's `.attempts` / `.gave_up` tell what happened.
+    Use as a context manager or call `close()`.
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
+                 retry: RetryPolicy | Retrier | bool | None = True) -> None:
         self.timeout = timeout
+        self.retrier = make_retrier(retry)
         self._channel = grpc.insecure_channel(target, options=message_options(settings.GRPC_MAX_MESSAGE_BYTES) + KEEPALIVE_OPTIONS)
         self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
 
     def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                  tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
-        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are."""
+        """The whole answer, receipt checked. `prompt` str is sent as UTF-8, bytes as they are.
+
+        Retried per the client's policy; every attempt is a new call made after the previous one ended, and
+        its answer's receipt is checked. `.attempts` on the result says how many were made."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
                                          priority=priority, request_id=request_id)
@@ -82,7 +138,7 @@ class Client:
     def chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
              tenant: str = "", priority: str = "", request_id: str = "") -> GenerateResult:
-        """The assistant's reply to a conversation, receipt checked; other parameters as `generate`.
+        """The assistant's reply to a conversation, receipt checked; other parameters (and retries) as `generate`.
 
         `messages`: [{"role": "user", "content": "Hi"}, ...] or [("user", "Hi"), ...]; roles system (first
         message only), user and assistant, the last one the user's. Admission renders them with the model's
@@ -96,38 +152,66 @@ class Client:
     def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start a request and return its `Stream` (see there); same parameters as `generate`."""
+        """Start a request and return its `Stream` (see there: retried only before its first token); same
+        parameters as `generate`."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
                                          priority=priority, request_id=request_id)
-        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
+        return self._stream(request, sent, request_id)
 
     def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                     tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream`."""
+        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream` (retried only
+        before its first token)."""
         sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
                                          top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                          tenant=tenant, priority=priority, request_id=request_id)
-        return Stream(self._stub.GenerateStream(request, timeout=self.timeout), sent, request_id)
+        return self._stream(request, sent, request_id)
 
     def tag(self, prompt: str | bytes | None = None, max_tokens: int = 64, tenant: str = "", priority: str = "",
             *, messages: Messages | None = None) -> dict[str, Any]:
-        """The intent tags admission would give this prompt or conversation, without generating (dry run)."""
+        """The intent tags admission would give this prompt or conversation, without generating (dry run;
+        retried like `generate`, as it takes the same concurrency slot)."""
         pairs = encode_messages(messages) if messages is not None else ()
         data = encode_prompt(prompt) if prompt is not None else b""
         request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
-        try:
-            return tags_dict((self._stub.Tag(request, timeout=self.timeout)).tags)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+
+        def attempt(timeout: float | None) -> dict[str, Any]:
+            try:
+                return tags_dict((self._stub.Tag(request, timeout=timeout)).tags)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+        return self._with_retries(attempt)[0]
 
     def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
-        try:
-            response = self._stub.Generate(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        return result_from_response(response, sent, request_id)
+        def attempt(timeout: float | None) -> GenerateResult:
+            try:
+                response = self._stub.Generate(request, timeout=timeout)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+            return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
+        result, attempts = self._with_retries(attempt)
+        result.attempts = attempts
+        return result
+
+    def _with_retries(self, attempt: Callable[[float | None], T]) -> tuple[T, int]:
+        """Run `attempt(timeout)` until it returns or the policy gives up. A blocking unary call has ended
+        (answered or failed) when it returns, so attempts never overlap."""
+        run = self.retrier.begin(self.timeout)
+        sleep = self.retrier.sleep if self.retrier.sleep is not None else time.sleep
+        while True:
+            try:
+                return attempt(run.attempt_timeout()), run.attempts
+            except TetherError as error:
+                delay = run.after_failure(error)
+                if delay is None:
+                    raise
+            sleep(delay)
+
+    def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> Stream:
+        return Stream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout), sent, request_id,
+                      self.retrier.begin(self.timeout), self.retrier.sleep)
 
     def close(self) -> None:
         self._channel.close()

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from tether.client.errors import ReceiptMismatch
 from tether.client.receipt import Sent, check_index, check_receipt
-from tether.types import FINISH_REASONS, Delta, GenerateResult, Receipt
+from tether import types
+from tether.types import FINISH_REASONS, Delta, Receipt
 from tether.v1 import admission_pb2, common_pb2
+
+
+@dataclasses.dataclass
+class GenerateResult(types.GenerateResult):
+    """A checked answer (tether.types.GenerateResult) plus what the SDK knows of the call that got it:
+    `attempts`, 1 when the first attempt answered, 2 when it was refused or failed and the first retry
+    answered (tether.client.retry), and so on."""
+
+    attempts: int = 1
 
 
 def encode_prompt(prompt: str | bytes) -> bytes:

@@ -1,0 +1,386 @@
+"""The SDK's retries over real gRPC: a small Admission server on 127.0.0.1 that follows a script (refuse with a
+status and a RetryInfo detail as admission does, answer, or stream some tokens then fail), checked with the
+blocking and the asyncio client. Time is an injected clock that only the injected sleep moves, so the delays the
+SDK honours are asserted exactly and nothing waits on the wall clock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
+                           RetryBudget, RetryPolicy, Unavailable)
+from tether.client.errors import STATUS_DETAILS_KEY
+from tether.client.retry import STREAM_STARTED
+from tether.protocol.hashing import prompt_digest
+from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2
+
+C = grpc.StatusCode
+ANSWER = ("answer",)
+
+
+def refuse(code: grpc.StatusCode = C.RESOURCE_EXHAUSTED, retry_after: float | None = 1.5) -> tuple:
+    return ("refuse", code, retry_after)
+
+
+def status_details(code: grpc.StatusCode, message: str, seconds: float) -> bytes:
+    """google.rpc.Status with RetryInfo, built as admission builds it."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(seconds * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status_pb2.Status(code=code.value[0], message=message, details=[detail]).SerializeToString()
+
+
+@dataclass
+class Call:
+    prompt: bytes
+    request_id: str
+    started: int                  # ticks of the server's event counter: the order calls began and ended
+    ended: int = -1
+
+
+@dataclass
+class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
+    """Plays `script` one outcome per call (the last one repeats), keeps admission's label rule (a label in
+    flight is ALREADY_EXISTS) and records every call's start and end."""
+
+    script: list[tuple] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    labels: set[str] = field(default_factory=set)
+    ticks: int = 0
+    active: int = 0
+    max_active: int = 0
+
+    def _tick(self) -> int:
+        self.ticks += 1
+        return self.ticks
+
+    def _next(self, request: admission_pb2.GenerateRequest) -> tuple[tuple, Call]:
+        call = Call(request.prompt, request.request_id, self._tick())
+        self.calls.append(call)
+        return self.script[min(len(self.calls), len(self.script)) - 1], call
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, retry_after: float | None):
+        message = f"scripted refusal {len(self.calls)}"
+        metadata = () if retry_after is None else ((STATUS_DETAILS_KEY,
+                                                    status_details(code, message, retry_after)),)
+        await context.abort(code, message, metadata)
+
+    def _enter(self, request: admission_pb2.GenerateRequest) -> bool:
+        if request.request_id and request.request_id in self.labels:
+            return False
+        if request.request_id:
+            self.labels.add(request.request_id)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        return True
+
+    def _leave(self, request: admission_pb2.GenerateRequest, call: Call) -> None:
+        self.labels.discard(request.request_id)
+        self.active -= 1
+        call.ended = self._tick()
+
+    @staticmethod
+    def _receipt(request: admission_pb2.GenerateRequest, n: int, digest_of: bytes | None = None) -> common_pb2.Receipt:
+        return common_pb2.Receipt(request_id=request.request_id, output_tokens=n, model_fingerprint="fake",
+                                  prompt_digest=prompt_digest(request.prompt if digest_of is None else digest_of))
+
+    async def Generate(self, request, context):
+        outcome, call = self._next(request)
+        if not self._enter(request):
+            await context.abort(C.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        try:
+            if outcome[0] == "refuse":
+                await self._refuse(context, *outcome[1:])
+            digest_of = b"someone else's prompt" if outcome[0] == "bad_receipt" else None
+            return admission_pb2.GenerateResponse(text="ok", token_ids=[1, 2], receipt=self._receipt(request, 2, digest_of),
+                                                  finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        finally:
+            self._leave(request, call)
+
+    async def GenerateStream(self, request, context):
+        outcome, call = self._next(request)
+        if not self._enter(request):
+            await context.abort(C.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        try:
+            if outcome[0] == "refuse":
+                await self._refuse(context, *outcome[1:])
+            n, fail = (outcome[1], outcome[2]) if outcome[0] == "tokens_then" else (3, None)
+            for i in range(n):
+                chunk = admission_pb2.GenerateChunk(index=i, token_id=10 + i, text=f"t{i}")
+                if fail is None and i == n - 1:
+                    chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    chunk.receipt.CopyFrom(self._receipt(request, n))
+                yield chunk
+            if fail is not None:
+                await self._refuse(context, fail, None)
+        finally:
+            self._leave(request, call)
+
+    def sequential(self) -> bool:
+        """Every call ended before the next one began: the same request never ran twice at once."""
+        return all(a.ended < b.started for a, b in zip(self.calls, self.calls[1:])) and self.max_active == 1
+
+
+class Server:
+    """A grpc.aio server on its own thread and event loop, so the blocking client can call it too."""
+
+    def __init__(self, servicer: FakeAdmission) -> None:
+        self.servicer = servicer
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        self.target = f"127.0.0.1:{self.port}"
+
+    async def _start(self) -> int:
+        self.server = grpc.aio.server()
+        admission_pb2_grpc.add_AdmissionServicer_to_server(self.servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def admission():
+    servers = []
+
+    def start(*script: tuple) -> Server:
+        servers.append(Server(FakeAdmission(list(script))))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.stop()
+
+
+class FakeTime:
+    """The retrier's clock, random source and sleep: sleeping is the only thing that moves the clock."""
+
+    def __init__(self, rand: float = 0.0) -> None:
+        self.now, self.rand, self.sleeps = 1000.0, rand, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def retrier(self, policy: RetryPolicy | None = None, budget: RetryBudget | None = None) -> Retrier:
+        return Retrier(policy or RetryPolicy(), budget, clock=self.clock, rand=lambda: self.rand, sleep=self.sleep)
+
+
+# ---- the blocking client --------------------------------------------------------------------------------------
+
+def test_refusals_are_retried_after_the_servers_delay_plus_jitter(admission):
+    server = admission(refuse(retry_after=1.5), refuse(retry_after=1.5), ANSWER)
+    t = FakeTime(rand=0.5)
+    with Client(server.target, timeout=30, retry=t.retrier(RetryPolicy(base_backoff_s=0.5))) as client:
+        result = client.generate("hello", max_tokens=2, request_id="r-1")
+    assert result.text == "ok" and result.attempts == 3 and result.receipt.request_id == "r-1"
+    # RetryInfo is the floor; full jitter (0.5 of the cap: 0.5 s, then 1 s) on top
+    assert t.sleeps == pytest.approx([1.5 + 0.25, 1.5 + 0.5])
+    assert len(server.servicer.calls) == 3 and server.servicer.sequential()
+
+
+def test_an_answer_at_once_is_one_attempt(admission):
+    server = admission(ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        assert client.generate("hello").attempts == 1
+    assert t.sleeps == []
+
+
+def test_unavailable_with_retry_info_from_an_open_breaker_is_honoured(admission):
+    server = admission(refuse(C.UNAVAILABLE, retry_after=4.0), ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        assert client.generate("hello").attempts == 2
+    assert t.sleeps == [4.0]
+
+
+def test_aborted_without_retry_info_backs_off_with_jitter(admission):
+    server = admission(refuse(C.ABORTED, retry_after=None), ANSWER)
+    t = FakeTime(rand=0.5)
+    with Client(server.target, retry=t.retrier(RetryPolicy(base_backoff_s=0.5))) as client:
+        assert client.generate("hello").attempts == 2
+    assert t.sleeps == [0.25]
+
+
+def test_retries_stop_at_the_callers_deadline(admission):
+    server = admission(refuse(retry_after=1.5))           # refuses forever
+    t = FakeTime()
+    with Client(server.target, timeout=2.0, retry=t.retrier(RetryPolicy(max_attempts=10))) as client:
+        with pytest.raises(ResourceExhausted) as info:
+            client.generate("hello")
+    # t=0 refused, slept 1.5, t=1.5 refused: another 1.5 s would end past the 2 s deadline, so it stops there
+    assert t.sleeps == [1.5] and len(server.servicer.calls) == 2
+    assert info.value.attempts == 2 and "past the call's deadline" in info.value.gave_up
+    assert info.value.retry_after == 1.5
+
+
+def test_invalid_argument_is_never_retried(admission):
+    server = admission(refuse(C.INVALID_ARGUMENT, retry_after=1.0), ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        with pytest.raises(InvalidArgument) as info:
+            client.generate("hello")
+    assert len(server.servicer.calls) == 1 and t.sleeps == [] and info.value.attempts == 1
+
+
+def test_resource_exhausted_without_retry_info_is_not_retried(admission):
+    server = admission(refuse(C.RESOURCE_EXHAUSTED, retry_after=None), ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        with pytest.raises(ResourceExhausted) as info:
+            client.generate("hello")
+    assert len(server.servicer.calls) == 1 and "without a RetryInfo" in info.value.gave_up
+
+
+def test_attempts_are_capped_by_the_policy(admission):
+    server = admission(refuse(C.UNAVAILABLE, retry_after=0.1))
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier(RetryPolicy(max_attempts=3))) as client:
+        with pytest.raises(Unavailable) as info:
+            client.generate("hello")
+    assert len(server.servicer.calls) == 3 and len(t.sleeps) == 2
+    assert info.value.attempts == 3 and "max_attempts=3" in info.value.gave_up
+
+
+def test_the_budget_limits_retries_across_calls(admission):
+    server = admission(refuse(C.UNAVAILABLE, retry_after=0.1))
+    t = FakeTime()
+    budget = RetryBudget(ratio=0.0, burst=1.0)             # one retry for this client, ever
+    with Client(server.target, retry=t.retrier(RetryPolicy(max_attempts=3), budget)) as client:
+        with pytest.raises(Unavailable) as first:
+            client.generate("hello")
+        with pytest.raises(Unavailable) as second:
+            client.generate("hello")
+    assert first.value.attempts == 2 and "retry budget is spent" in first.value.gave_up
+    assert second.value.attempts == 1 and len(server.servicer.calls) == 3
+
+
+def test_retry_off_means_one_attempt(admission):
+    for retry in (None, False):
+        server = admission(refuse(retry_after=0.1), ANSWER)
+        with Client(server.target, retry=retry) as client:
+            with pytest.raises(ResourceExhausted) as info:
+                client.generate("hello")
+        assert len(server.servicer.calls) == 1 and info.value.attempts == 1
+
+
+def test_every_attempts_receipt_is_checked(admission):
+    server = admission(refuse(retry_after=0.1), ("bad_receipt",), ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        with pytest.raises(ReceiptMismatch, match="another prompt"):
+            client.generate("hello")
+    assert len(server.servicer.calls) == 2     # a wrong answer is raised, not retried away
+
+
+def test_a_stream_refused_before_its_first_token_is_retried(admission):
+    server = admission(refuse(retry_after=2.0), ANSWER)
+    t = FakeTime()
+    with Client(server.target, timeout=30, retry=t.retrier()) as client:
+        stream = client.stream("hello", request_id="label")
+        assert [d.text for d in stream] == ["t0", "t1", "t2"]
+    assert stream.attempts == 2 and stream.result.attempts == 2 and stream.result.receipt.request_id == "label"
+    assert t.sleeps == [2.0] and server.servicer.sequential()   # the label was free again: no ALREADY_EXISTS
+
+
+def test_a_stream_that_fails_after_a_token_was_shown_is_not_retried(admission):
+    server = admission(("tokens_then", 1, C.UNAVAILABLE), ANSWER)
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier()) as client:
+        seen = []
+        with pytest.raises(Unavailable) as info:
+            for delta in client.stream("hello"):
+                seen.append(delta.text)
+    assert seen == ["t0"] and len(server.servicer.calls) == 1 and t.sleeps == []
+    assert info.value.attempts == 1 and info.value.gave_up == STREAM_STARTED
+
+
+def test_tag_is_retried_too(admission):
+    class Tagging(FakeAdmission):
+        async def Tag(self, request, context):
+            self.calls.append(Call(request.prompt, "", self._tick(), self._tick()))
+            if len(self.calls) == 1:
+                await self._refuse(context, C.RESOURCE_EXHAUSTED, 1.0)
+            return admission_pb2.TagResponse(tags=common_pb2.IntentTags(language="en"))
+    server = Server(Tagging())
+    try:
+        t = FakeTime()
+        with Client(server.target, retry=t.retrier()) as client:
+            assert client.tag("hello")["language"] == "en"
+        assert t.sleeps == [1.0]
+    finally:
+        server.stop()
+
+
+# ---- the asyncio client ---------------------------------------------------------------------------------------
+
+class AsyncFakeTime(FakeTime):
+    async def sleep(self, seconds: float) -> None:     # a coroutine function, as AsyncClient may be given
+        super().sleep(seconds)
+
+
+def test_async_refusals_are_retried_within_the_deadline(admission):
+    server = admission(refuse(retry_after=1.5), refuse(retry_after=1.5), ANSWER)
+    t = AsyncFakeTime()
+
+    async def run():
+        async with AsyncClient(server.target, timeout=30, retry=t.retrier()) as client:
+            ok = await client.generate("hello")
+        async with AsyncClient(server.target, timeout=2.0, retry=t.retrier(RetryPolicy(max_attempts=10))) as client:
+            server.servicer.script[:] = [refuse(retry_after=1.5)]
+            with pytest.raises(ResourceExhausted) as info:
+                await client.chat([("user", "hello")])
+        return ok, info.value
+    ok, error = asyncio.run(run())
+    assert ok.attempts == 3 and error.attempts == 2 and "past the call's deadline" in error.gave_up
+    assert t.sleeps == [1.5, 1.5, 1.5] and len(server.servicer.calls) == 5 and server.servicer.sequential()
+
+
+def test_async_invalid_argument_is_never_retried(admission):
+    server = admission(refuse(C.INVALID_ARGUMENT, retry_after=1.0), ANSWER)
+    t = AsyncFakeTime()
+
+    async def run():
+        async with AsyncClient(server.target, retry=t.retrier()) as client:
+            with pytest.raises(InvalidArgument):
+                await client.generate("hello")
+    asyncio.run(run())
+    assert len(server.servicer.calls) == 1 and t.sleeps == []
+
+
+def test_async_streams_retry_only_before_the_first_token(admission):
+    server = admission(refuse(C.UNAVAILABLE, retry_after=0.5), ANSWER)
+    t = AsyncFakeTime()
+
+    async def run():
+        async with AsyncClient(server.target, timeout=30, retry=t.retrier()) as client:
+            stream = client.stream("hello")
+            texts = [d.text async for d in stream]
+            server.servicer.script[:] = [("tokens_then", 2, C.ABORTED)]
+            late = client.stream("hello")
+            seen = []
+            with pytest.raises(Exception) as info:
+                async for d in late:
+                    seen.append(d.text)
+        return stream, texts, seen, info.value
+    stream, texts, seen, error = asyncio.run(run())
+    assert texts == ["t0", "t1", "t2"] and stream.attempts == 2 and stream.result.attempts == 2
+    assert seen == ["t0", "t1"] and error.code == C.ABORTED and error.gave_up == STREAM_STARTED
+    assert len(server.servicer.calls) == 3 and t.sleeps == [0.5] and server.servicer.sequential()
