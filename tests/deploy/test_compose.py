@@ -1,8 +1,10 @@
 """The container files are correct by construction: no Docker engine is needed to check them.
 
 docker-compose.yml must run exactly the cluster that tether/cli/cluster.py service_commands() launches as local
-processes (same subcommands and flags, listening on 0.0.0.0, peers by service name), start it in health order,
-and health-check it with tether.cli.healthcheck; the Dockerfile must build that image offline-at-runtime (CPU
+processes with metrics on (same subcommands and flags, listening on 0.0.0.0, peers by service name), start it in
+health order, and health-check it with tether.cli.healthcheck; Prometheus (deploy/prometheus) must scrape every
+tether service at its --metrics-port, and the Grafana dashboard (deploy/grafana) may only query metric names the
+code exposes (tether.telemetry.metrics.metric_names()); the Dockerfile must build that image offline-at-runtime (CPU
 torch pinned as in pyproject.toml, gRPC code generated as the Makefile does, the tiny model baked in). The
 health check itself is run here as a subprocess against a real grpc.aio server.
 """
@@ -27,16 +29,20 @@ import yaml  # PyYAML: a dependency of transformers, which the `test` extra inst
 
 from tether import settings
 from tether.cli import healthcheck
-from tether.cli.cluster import service_commands
+from tether.cli.cluster import default_metrics_ports, service_commands
 from tether.cli.main import SERVICE_MODULES
 from tether.cli.main import build_parser as tether_parser
 from tether.model.config import parse_layers
 from tether.model.presets import PRESETS
+from tether.telemetry.metrics import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "tether.json"
 MODEL = "tiny"
 TETHER_HOME = "/data/tether"
 HEALTHCHECK = ["CMD", "python", "-m", "tether.cli.healthcheck"]
@@ -78,9 +84,10 @@ def _stage_index(svc: dict) -> int:
 
 
 def _reference() -> dict[str, list[str]]:
-    """service_commands() of the same cluster (default ports) -> name: argv after `python -m`."""
+    """service_commands() of the same cluster (default ports, metrics on) -> name: argv after `python -m`."""
     stages = sum(1 for svc in _compose()["services"].values() if (svc.get("command") or [""])[0] == "stage")
-    return {s.name: s.argv[s.argv.index("-m") + 1:] for s in service_commands(MODEL, stages)}
+    return {s.name: s.argv[s.argv.index("-m") + 1:]
+            for s in service_commands(MODEL, stages, metrics_ports=default_metrics_ports(stages))}
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
@@ -111,7 +118,7 @@ def test_compose_has_the_expected_services():
     compose = _compose()
     assert set(_tether_services(compose)) == {"stage0", "stage1", "coordinator", "admission"}
     assert set(_reference()) == set(_tether_services(compose))
-    assert "jaeger" in compose["services"]
+    assert {"jaeger", "prometheus", "grafana"} <= set(compose["services"])
 
 
 @pytest.mark.parametrize("name", ["stage0", "stage1", "coordinator", "admission"])
@@ -228,14 +235,129 @@ def test_admission_is_published_and_env_is_set():
         assert svc.get("build") and svc.get("image"), name
 
 
-def test_jaeger_is_optional_all_in_one():
-    jaeger = _compose()["services"]["jaeger"]
+def _published(svc: dict) -> set[str]:
+    return {str(p).split(":")[-1] for p in svc.get("ports", [])}
+
+
+def test_jaeger_all_in_one_receives_otlp():
+    compose = _compose()
+    jaeger = compose["services"]["jaeger"]
     assert jaeger["image"].split(":")[0] == "jaegertracing/all-in-one"
-    published = {str(p).split(":")[-1] for p in jaeger.get("ports", [])}
-    assert {"4317", "16686"} <= published
-    assert jaeger.get("profiles"), "Jaeger is optional: behind a compose profile"
+    assert {"4317", "16686"} <= _published(jaeger)
+    assert str(_env(jaeger).get("COLLECTOR_OTLP_ENABLED")).lower() == "true"
+    for name, svc in _tether_services(compose).items():
+        env = _env(svc)
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+        assert env["OTEL_SERVICE_NAME"] == f"tether-{name}", name
+
+
+def test_serving_never_waits_for_telemetry():
+    """Jaeger, Prometheus and Grafana may be down: no tether service depends on them."""
     for name, svc in _tether_services(_compose()).items():
-        assert "jaeger" not in (svc.get("depends_on") or {}), f"{name} must not need Jaeger"
+        assert not {"jaeger", "prometheus", "grafana"} & set(svc.get("depends_on") or {}), name
+
+
+# --------------------------------------------------------------------------------------------- Prometheus
+
+def _metrics_port(svc: dict) -> int:
+    return int(_flags(svc["command"][1:])["--metrics-port"])
+
+
+def test_every_tether_service_serves_metrics_on_its_settings_port():
+    services = _tether_services(_compose())
+    stages = sum(1 for svc in services.values() if svc["command"][0] == "stage")
+    assert {name: _metrics_port(svc) for name, svc in services.items()} == default_metrics_ports(stages)
+    ports = [_metrics_port(svc) for svc in services.values()]
+    grpc_ports = [int(_flags(svc["command"][1:])["--port"]) for svc in services.values()]
+    assert len(set(ports)) == len(ports) and not set(ports) & set(grpc_ports)
+
+
+def test_prometheus_scrapes_every_tether_service_and_nothing_else():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    targets: dict[str, str] = {}
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                assert target not in targets, f"{target} scraped twice"
+                targets[target] = job["job_name"]
+    services = _tether_services(_compose())
+    expected = {f"{name}:{_metrics_port(svc)}" for name, svc in services.items()}
+    tether_targets = {t for t, job in targets.items() if job.startswith("tether-")}
+    assert tether_targets == expected
+    for name, svc in services.items():   # one job per role: dashboards can group by job
+        assert targets[f"{name}:{_metrics_port(svc)}"] == f"tether-{svc['command'][0]}"
+
+
+def test_prometheus_and_grafana_mount_the_repository_config():
+    compose = _compose()
+    prom, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
+    assert prom["image"].split(":")[0] == "prom/prometheus" and "9090" in _published(prom)
+    assert grafana["image"].split(":")[0] == "grafana/grafana" and "3000" in _published(grafana)
+    mounts = {}
+    for svc in (prom, grafana):
+        for volume in svc["volumes"]:
+            src, dst, *_ = volume.split(":")
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), f"{volume}: {src} is missing from the repository"
+                mounts[dst] = (ROOT / src).resolve()
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert mounts["/etc/grafana/provisioning"] == (GRAFANA / "provisioning").resolve()
+    # the dashboard provider reads the folder the dashboards are mounted on
+    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "tether.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert mounts[path] == DASHBOARD.parent.resolve()
+    home = _env(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{path}/{DASHBOARD.name}"
+    for svc in (prom, grafana):
+        assert svc["healthcheck"]["test"][0] == "CMD"
+
+
+# --------------------------------------------------------------------------------------------- Grafana
+
+def _dashboard_targets() -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) of every panel's every target."""
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def test_dashboard_queries_only_metric_names_the_code_exposes():
+    known = metric_names()
+    used = set()
+    for title, expr in _dashboard_targets():
+        names = set(re.findall(r"tether:[A-Za-z0-9_:]+", expr))
+        assert names, f"panel {title!r}: {expr!r} queries no tether metric"
+        unknown = names - known
+        assert not unknown, f"panel {title!r} queries {sorted(unknown)}, which no service exposes"
+        assert expr.count("(") == expr.count(")"), f"panel {title!r}: unbalanced {expr!r}"
+        used |= names
+    # the panels the issue asks for: TTFT/ITL percentiles, throughput, queue, KV use, rejections by reason
+    for name in ("tether:time_to_first_token_seconds_bucket", "tether:inter_token_latency_seconds_bucket",
+                 "tether:generation_tokens_total", "tether:num_requests_waiting", "tether:num_requests_running",
+                 "tether:kv_blocks_used", "tether:kv_blocks_total", "tether:integrity_rejections_total",
+                 "tether:requests_shed_total"):
+        assert name in used, f"the dashboard has no panel on {name}"
+    quantiles = [e for _, e in _dashboard_targets() if "histogram_quantile" in e]
+    assert all(re.search(r"_bucket\[\d+m\]\)\)\)$", e) and "by (le)" in e for e in quantiles), quantiles
+    assert any("by (reason)" in e and "integrity_rejections_total" in e for _, e in _dashboard_targets())
+
+
+def test_dashboard_uses_the_provisioned_datasource():
+    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    (prom,) = ds
+    assert prom["type"] == "prometheus" and prom["url"] == "http://prometheus:9090"
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == prom["uid"], p["title"]
+        assert all(t["datasource"]["uid"] == prom["uid"] for t in p["targets"]), p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
 
 
 def test_every_service_restarts_unless_stopped():
@@ -260,6 +382,13 @@ def test_dockerfile_base_user_workdir_entrypoint():
     # pyproject's console script is what ENTRYPOINT runs
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "tether" in pyproject["project"]["scripts"]
+
+
+def test_dockerfile_exposes_every_port_compose_serves():
+    exposed = {p for i, a in _dockerfile_instructions() if i == "EXPOSE" for p in a.split()}
+    for name, svc in _tether_services(_compose()).items():
+        flags = _flags(svc["command"][1:])
+        assert {flags["--port"], flags["--metrics-port"]} <= exposed, name
 
 
 def test_dockerfile_copies_what_the_build_needs():
