@@ -45,6 +45,9 @@ FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its re
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail
 MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before it fails with ABORTED
+PRIORITY_AGING_STEPS = 100  # engine steps a waiting request waits to rise one priority class: nothing starves
+RESERVE_KV_OUTPUT_TOKENS = 256   # a request with at least this output budget holds KV for all of it from the
+                                 # start: it is never preempted for room it was always going to need
 
 # Stage workers.
 # A stage's KV pool, over all requests, in memory: the pool in positions follows from the slice's layers,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from services.coordinator.ledger import BlockLedger
 from tether.kv.blocks import extend_by_blocks
 from tether.engine.sequence import Sequence
+from tether import settings
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
 
@@ -39,6 +40,7 @@ class Request:
     sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
     cached: int = 0                    # leading tokens of `sent` the stages take from their prefix cache
     arrival: int = 0                   # order of submission (preemption takes the youngest first)
+    queued_at: int = 0                 # the scheduler's step when it last started waiting (priority aging)
     no_prefix: bool = False            # replay cold: a rebuild, or a cached prefix a stage could not confirm
     preempted: bool = False            # waiting again after a preemption
     releasing: bool = False            # preempted, and its Release not answered yet: not schedulable
@@ -118,6 +120,11 @@ class Request:
             self.retries += 1
 
     @property
+    def reserves(self) -> bool:
+        """Whether its KV is held for its whole output budget from the start (a long generation)."""
+        return self.seq.sampling.max_tokens >= settings.RESERVE_KV_OUTPUT_TOKENS
+
+    @property
     def final_positions(self) -> int:
         """Context positions the stages hold at most for this request (prompt + every output but the last)."""
         return min(len(self.seq.prompt_ids) + self.seq.sampling.max_tokens - 1, self.seq.max_context)
@@ -135,9 +142,17 @@ class EngineFigures:
     computed_tokens: int = 0           # context positions sent to be computed
 
 
-def rank(req: Request) -> tuple[int, int]:
-    """Preemption order: the lowest priority, then the youngest, goes first."""
-    return PRIORITY_ORDER.get(req.priority, 1), req.arrival
+def rank(req: Request) -> tuple[int, bool, int]:
+    """Preemption order: the lowest priority goes first; within it, a request that did not reserve its KV
+    before one that did (a long generation recomputed late wastes the most), then the youngest."""
+    return PRIORITY_ORDER.get(req.priority, 1), not req.reserves, req.arrival
+
+
+def start_class(req: Request, step: int, aging_steps: int = settings.PRIORITY_AGING_STEPS) -> int:
+    """Start order among waiting requests: critical (0) before standard (1) before sheddable (2), each class
+    one better for every `aging_steps` steps waited, so that a steady stream of higher priorities never starves
+    a lower one."""
+    return max(0, PRIORITY_ORDER.get(req.priority, 1) - (step - req.queued_at) // aging_steps)
 
 
 @dataclass
@@ -154,11 +169,13 @@ class Scheduler:
     # never fit in the route's KV (to fail).
     preempted: list[Request] = field(default_factory=list)
     impossible: list[Request] = field(default_factory=list)
+    steps: int = 0                     # micro-batches scheduled so far (the clock of priority aging)
     _arrivals: int = 0
 
     def add(self, req: Request) -> None:
         self._arrivals += 1
         req.arrival = self._arrivals
+        req.queued_at = self.steps
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -194,7 +211,7 @@ class Scheduler:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
         The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
-        running requests go first, then waiting ones by priority and arrival. At most `max_tokens` rows go
+        running requests go first, then waiting ones by priority (aged: `start_class`) and arrival. At most `max_tokens` rows go
         in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
         invisible in the output), so long prompts never stall the decodes batched with them; while requests
         wait, a chunk takes at most half the rows, so a long prompt never stalls a short one behind it either.
@@ -227,7 +244,7 @@ class Scheduler:
             batch.append(req)
             tokens += n
         if self.waiting:
-            ordered = sorted(self.waiting, key=lambda r: PRIORITY_ORDER.get(r.priority, 1))  # stable: FIFO within
+            ordered = sorted(self.waiting, key=lambda r: start_class(r, self.steps))  # stable: FIFO within
             for req in ordered:
                 if len(batch) >= share or tokens >= self.max_tokens:
                     break
@@ -247,6 +264,7 @@ class Scheduler:
             self.figures.computed_tokens += len(req.sent.token_ids) - req.cached
         if batch:
             self.frames_in_flight += 1
+            self.steps += 1
         return batch
 
     def _start(self, req: Request, rows: int) -> int | None:
@@ -255,12 +273,13 @@ class Scheduler:
         ids = req.seq.all_ids
         consult = self.ledger.caching and not req.no_prefix and len(ids) > self.ledger.block
         prefix = self.ledger.cached_prefix(req.seq.hash_seed, ids) if consult else []
-        if not self.ledger.can_hold(req.id, len(ids), prefix):
+        positions = max(len(ids), req.final_positions) if req.reserves else len(ids)
+        if not self.ledger.can_hold(req.id, positions, prefix):
             return None
         cached = len(prefix) * self.ledger.block
         if prefix:
             self.ledger.attach(req.id, prefix)
-        self.ledger.hold(req.id, len(ids))
+        self.ledger.hold(req.id, positions)
         self.waiting.remove(req)
         self.running[req.id] = req
         req.preempted = False
@@ -299,6 +318,7 @@ class Scheduler:
         self.ledger.release_begin(req.id)
         req.restart()
         req.preempted = req.releasing = True
+        req.queued_at = self.steps
         self.waiting.appendleft(req)
         self.preempted.append(req)
         self.figures.preemptions += 1
