@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from tether import settings
-from tether.cli.generate import DEFAULT_TARGET
+from tether.cli.generate import DEFAULT_RETRIES, DEFAULT_TARGET, RETRIES_HELP, error_text, retries, retry_policy
 
 HELP = "commands: /reset (forget the conversation, keep the system prompt), /exit (or end of input)"
 
@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one per reply")
     p.add_argument("--tenant", default="", help="tenant (cache namespace)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per reply before giving up "
-                                                                "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per reply before giving up, retries "
+                                                                "included (default: %(default)s)")
+    p.add_argument("--retries", type=retries, default=DEFAULT_RETRIES, metavar="N", help=RETRIES_HELP)
     return p
 
 
@@ -94,7 +95,9 @@ def repl(client, conversation: Conversation, params: dict, stdin: TextIO, stdout
             # The turn is dropped: the history stays what the server last accepted.
             if printed:   # end the partial reply's line
                 print(file=stdout, flush=True)
-            print(f"[error: {e}; this message was not added to the conversation"
+            # hasattr: a stand-in client (tests) may have no retrier
+            retrying = client.retrier.policy.max_attempts > 1 if hasattr(client, "retrier") else False
+            print(f"[error: {error_text(e, retrying)}; this message was not added to the conversation"
                   + ("; /reset to start over" if conversation.messages else "") + "]", file=stderr, flush=True)
             continue
         except KeyboardInterrupt:
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, tenant=args.tenant)
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries)) as client:
         try:
             repl(client, Conversation(args.system), params, sys.stdin, sys.stdout, sys.stderr, sys.stdin.isatty())
         except KeyboardInterrupt:   # at the prompt: leave quietly

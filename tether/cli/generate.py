@@ -10,6 +10,39 @@ import sys
 from tether import settings
 
 DEFAULT_TARGET = f"127.0.0.1:{settings.ADMISSION_PORT}"
+DEFAULT_RETRIES = 2    # the SDK's default policy: 3 attempts in all
+
+RETRIES_HELP = ("retries after a refused (RESOURCE_EXHAUSTED with a RetryInfo delay), unavailable or aborted "
+                "attempt, waiting at least the delay the server asks for plus a random backoff, never past "
+                "--timeout; a stream is retried only before its first token is printed; 0 disables "
+                "(default: %(default)s)")
+
+
+def retries(text: str) -> int:
+    """argparse type of --retries: a count of retries, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--retries takes a whole number of retries (0 disables); got {text!r}")
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--retries cannot be negative (0 disables retries); got {n}")
+    return n
+
+
+def retry_policy(n: int):
+    """The SDK's `retry=` for --retries N: N retries after the first attempt, None (one attempt) for 0."""
+    from tether.client import RetryPolicy
+    return RetryPolicy(max_attempts=n + 1) if n > 0 else None
+
+
+def error_text(e: Exception, retrying: bool) -> str:
+    """An SDK error for a person: the status, and when retries were on the table, how many attempts were made
+    and why no more (the deadline, the retry budget, a token already printed)."""
+    from tether.client.retry import RETRYABLE_CODES
+    attempts, gave_up = getattr(e, "attempts", 1), getattr(e, "gave_up", "")
+    if gave_up and (attempts > 1 or (retrying and getattr(e, "code", None) in RETRYABLE_CODES)):
+        return f"{e} ({gave_up})"
+    return str(e)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", default="", choices=["", "critical", "standard", "sheddable"], help="priority class")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole result (text, tokens, receipt, tags) as JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds before giving up, retries included (default: %(default)s)")
+    p.add_argument("--retries", type=retries, default=DEFAULT_RETRIES, metavar="N", help=RETRIES_HELP)
     return p
 
 
@@ -55,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=tuple(args.stop), tenant=args.tenant, priority=args.priority)
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries)) as client:
             if args.stream and not args.json:
                 stream = client.stream_chat(messages, **params) if messages else client.stream(args.prompt, **params)
                 for delta in stream:
@@ -64,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 return
             result = client.chat(messages, **params) if messages else client.generate(args.prompt, **params)
     except TetherError as e:
-        raise SystemExit(f"tether generate: {e}")
+        raise SystemExit(f"tether generate: {error_text(e, args.retries > 0)}")
     if args.json:
         print(json.dumps(dataclasses.asdict(result), ensure_ascii=False, indent=2))
     else:

@@ -110,13 +110,17 @@ class RetryPolicy:
                 return None, "RESOURCE_EXHAUSTED without a RetryInfo delay is not retried (a limit, not load)"
             return None, f"{code.name} is not retried"
         if attempts >= self.max_attempts:
-            return None, f"gave up after {attempts} attempts (max_attempts={self.max_attempts})"
+            return None, f"gave up after {_attempts(attempts)} (max_attempts={self.max_attempts})"
         delay = self.backoff(attempts, retry_after, rand)
         if deadline is not None and now + delay >= deadline:
             why = f"the server asked to wait {retry_after:g} s" if retry_after else f"the backoff is {delay:.3g} s"
-            return None, (f"gave up after {attempts} attempt(s): {why}, past the call's deadline "
+            return None, (f"gave up after {_attempts(attempts)}: {why}, past the call's deadline "
                           f"({max(deadline - now, 0.0):.3g} s left)")
         return delay, ""
+
+
+def _attempts(n: int) -> str:
+    return f"{n} attempt" if n == 1 else f"{n} attempts"
 
 
 class RetryBudget:
@@ -218,7 +222,7 @@ class RetryRun:
         delay, why = r.policy.next_delay(error.code, error.retry_after, self.attempts, r.clock(), self.deadline,
                                          r.rand())
         if delay is not None and not r.budget.try_withdraw():
-            delay, why = None, (f"gave up after {self.attempts} attempt(s): this client's retry budget is spent "
+            delay, why = None, (f"gave up after {_attempts(self.attempts)}: this client's retry budget is spent "
                                 f"(at most {r.budget.ratio:g} retries per request beyond a burst of "
                                 f"{r.budget.burst:g}), so a fleet of clients does not multiply an overload")
         error.attempts = self.attempts

@@ -1,11 +1,13 @@
-"""The SDK's retries over real gRPC: a small Admission server on 127.0.0.1 that follows a script (refuse with a
-status and a RetryInfo detail as admission does, answer, or stream some tokens then fail), checked with the
-blocking and the asyncio client. Time is an injected clock that only the injected sleep moves, so the delays the
-SDK honours are asserted exactly and nothing waits on the wall clock."""
+"""The SDK's retries (and the CLI's --retries) over real gRPC: a small Admission server on 127.0.0.1 that
+follows a script (refuse with a status and a RetryInfo detail as admission does, answer, or stream some tokens
+then fail), checked with the blocking and the asyncio client. Time is an injected clock that only the injected
+sleep moves, so the delays the SDK honours are asserted exactly and nothing waits on the wall clock (the CLI
+tests alone sleep for real, a few hundredths of a second plus jitter, and assert no timing)."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from dataclasses import dataclass, field
 
@@ -14,6 +16,7 @@ import pytest
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from tether.cli import chat, generate
 from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
                            RetryBudget, RetryPolicy, Unavailable)
 from tether.client.errors import STATUS_DETAILS_KEY
@@ -384,3 +387,48 @@ def test_async_streams_retry_only_before_the_first_token(admission):
     assert texts == ["t0", "t1", "t2"] and stream.attempts == 2 and stream.result.attempts == 2
     assert seen == ["t0", "t1"] and error.code == C.ABORTED and error.gave_up == STREAM_STARTED
     assert len(server.servicer.calls) == 3 and t.sleeps == [0.5] and server.servicer.sequential()
+
+
+# ---- the CLI: `--retries N` on `tether generate` and `tether chat` --------------------------------------------
+
+def test_retries_flag_defaults_to_the_sdk_default_and_zero_disables():
+    assert generate.build_parser().parse_args(["x"]).retries == 2
+    assert chat.build_parser().parse_args([]).retries == 2
+    assert generate.retry_policy(2).max_attempts == 3
+    assert generate.retry_policy(0) is None
+    assert chat.build_parser().parse_args(["--retries", "0"]).retries == 0
+
+
+@pytest.mark.parametrize("bad,match", [("-1", "cannot be negative"), ("two", "whole number")])
+def test_a_bad_retries_value_is_a_usage_error_that_says_why(bad, match, capsys):
+    with pytest.raises(SystemExit):
+        generate.build_parser().parse_args(["x", "--retries", bad])
+    assert match in capsys.readouterr().err
+
+
+def test_error_text_says_why_no_more_attempts_were_made():
+    e = ResourceExhausted("busy", retry_after=1.0)
+    e.attempts, e.gave_up = 3, "gave up after 3 attempts (max_attempts=3)"
+    assert generate.error_text(e, True) == "RESOURCE_EXHAUSTED: busy (gave up after 3 attempts (max_attempts=3))"
+    plain = ResourceExhausted("busy")
+    plain.gave_up = "gave up after 1 attempt (max_attempts=1)"
+    assert generate.error_text(plain, False) == "RESOURCE_EXHAUSTED: busy"   # --retries 0: nothing to explain
+
+
+def test_generate_retries_a_refusal_and_zero_retries_does_not(admission, capsys):
+    server = admission(refuse(retry_after=0.01), ANSWER)
+    generate.main(["hello", "--target", server.target, "--retries", "1"])
+    assert capsys.readouterr().out == "ok\n" and len(server.servicer.calls) == 2
+
+    server = admission(refuse(retry_after=0.01), ANSWER)
+    with pytest.raises(SystemExit, match="RESOURCE_EXHAUSTED: scripted refusal 1") as info:
+        generate.main(["hello", "--target", server.target, "--retries", "0"])
+    assert "attempt" not in str(info.value) and len(server.servicer.calls) == 1
+
+
+def test_chat_reports_a_reply_that_failed_after_its_first_token(admission):
+    server = admission(("tokens_then", 1, C.UNAVAILABLE))
+    err = io.StringIO()
+    with Client(server.target, retry=generate.retry_policy(2)) as client:
+        chat.repl(client, chat.Conversation(), {}, io.StringIO("hi\n"), io.StringIO(), err, interactive=False)
+    assert STREAM_STARTED in err.getvalue() and len(server.servicer.calls) == 1
