@@ -1,4 +1,4 @@
-"""Word lists for the admission tagger (services/admission/tagger.py).
+"""Word lists and number tables for the admission tagger (services/admission/tagger.py).
 
 Data only. Each lexicon is matched case-insensitively, longest word first; English words need word
 boundaries and may take a plural "s"/"es". Chinese words are matched anywhere, so a short Chinese word
@@ -100,7 +100,7 @@ LEGAL_WORDS: tuple[str, ...] = (
     "landlord", "tenant", "lease", "security deposit", "evict", "eviction", "prenup", "prenuptial",
     "divorce", "custody", "alimony", "child support", "visitation", "a will", "my will", "last will",
     "living will", "living trust", "probate", "power of attorney", "notary", "notarized",
-    "agreement", "nda", "non-disclosure", "non-compete", "judge", "jury", "verdict", "arrested",
+    "agreement", "nda", "non-disclosure", "non-compete", "the judge", "a judge", "jury", "verdict", "arrested",
     "police", "speeding ticket", "traffic ticket", "traffic court", "small claims", "trademark",
     "patent", "infringement", "copied my", "without permission", "fire me", "fired me", "get fired",
     "wrongful termination", "discrimination", "harassment", "indemnify", "lessee", "lessor",
@@ -130,7 +130,8 @@ DOMAIN_LEXICONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # A hit inside one of these does not count for the label.
 FALSE_FRIENDS: dict[str, tuple[str, ...]] = {
-    "code": ("程序员",),          # a programmer is a person: a joke about one is not a coding job
+    "code": ("程序员",),  # a programmer is a person: a joke about one is not a coding job
+    "expert": ("因为医生",),  # "because the doctor said" names no reader
 }
 
 # --------------------------------------------------------------------------
@@ -194,3 +195,46 @@ FOREIGN_FUNCTION_WORDS: frozenset[str] = frozenset((
     "che", "della", "sono", "perché", "dove", "gli",
     "der", "das", "und", "ist", "nicht", "ich", "mit", "ein", "eine", "wie", "wo", "warum", "sehr",
 ))
+# Chinese grammar: a segment holding one of these is a Chinese sentence whatever Latin words it names.
+ZH_FUNCTION_CHARS = frozenset("的了吗呢吧么什怎这那请把被让给在是有和与或就都也还要会能用里个哪")
+# Language names that follow "in"/"into" in a request to translate.
+LANGUAGE_NAMES = "english|chinese|mandarin|french|spanish|german|japanese|korean|italian|russian|portuguese|arabic"
+
+# --------------------------------------------------------------------------
+# Numbers, units and chat roles.
+# --------------------------------------------------------------------------
+
+CN_DIGITS: dict[str, int] = {
+    "零": 0, "〇": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4,
+    "五": 5, "六": 6, "七": 7, "八": 8, "九": 9,
+}
+CN_SMALL_UNITS: dict[str, int] = {"十": 10, "百": 100, "千": 1000}
+CN_BIG_UNITS: dict[str, int] = {"万": 10_000, "亿": 100_000_000}
+CN_NUMERAL_CHARS = "".join(CN_DIGITS) + "".join(CN_SMALL_UNITS) + "".join(CN_BIG_UNITS)
+
+EN_ONES: dict[str, int] = {
+    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6,
+    "seven": 7, "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12,
+    "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16,
+    "seventeen": 17, "eighteen": 18, "nineteen": 19,
+}
+EN_TENS: dict[str, int] = {
+    "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
+    "seventy": 70, "eighty": 80, "ninety": 90,
+}
+EN_SCALES: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 1000}
+# Articles stand for one in "in a sentence", "in a single word".
+EN_ONE_ARTICLES = frozenset({"a", "an", "single", "a single"})
+
+# Unit words of a length constraint -> BUDGET_RULES unit.
+UNIT_ALIASES: dict[str, str] = {
+    "字": "chars", "字符": "chars", "character": "chars", "char": "chars", "letter": "chars",
+    "词": "words", "单词": "words", "word": "words",
+    "句": "sentences", "句话": "sentences", "句子": "sentences", "sentence": "sentences",
+    "token": "tokens",
+}
+
+# Role markers at the start of a line ("User:", "用户：", full-width colon too).
+USER_ROLES: tuple[str, ...] = ("user", "human", "用户", "人类")
+ASSISTANT_ROLES: tuple[str, ...] = ("assistant", "ai", "bot", "助手", "助理")
+SYSTEM_ROLES: tuple[str, ...] = ("system", "系统")

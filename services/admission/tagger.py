@@ -55,27 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-# The word lists live in lexicons.py (data only); imported here, where callers have always found them.
-from services.admission.lexicons import (
-    AUDIENCE_LEXICONS,
-    CHILD_WORDS,
-    CODE_WORDS,
-    CREATIVE_WORDS,
-    DOMAIN_LEXICONS,
-    ELDERLY_WORDS,
-    ENGLISH_FUNCTION_WORDS,
-    EXPERT_READERS_EN,
-    EXPERT_READERS_ZH,
-    EXPERT_WORDS,
-    FALSE_FRIENDS,
-    FINANCE_WORDS,
-    FOREIGN_FUNCTION_WORDS,
-    LEGAL_WORDS,
-    MEDICAL_WORDS,
-    SUMMARIZE_WORDS,
-    TASK_LEXICONS,
-    TRANSLATE_WORDS,
-)
+# Word lists and number tables: data only, in lexicons.py.
+from services.admission import lexicons as lex
 
 __all__ = [
     "Tags",
@@ -154,37 +135,13 @@ CHILD_MAX_AGE = 12
 ELDERLY_MIN_AGE = 65
 MAX_HUMAN_AGE = 130  # "万岁" (long live!) parses as 10000 and is not an age
 
-# Role markers at the start of a line ("User:", "用户：", full-width colon too).
-USER_ROLES: tuple[str, ...] = ("user", "human", "用户", "人类")
-ASSISTANT_ROLES: tuple[str, ...] = ("assistant", "ai", "bot", "助手", "助理")
-SYSTEM_ROLES: tuple[str, ...] = ("system", "系统")
+
 
 
 # --------------------------------------------------------------------------
 # Numbers
 # --------------------------------------------------------------------------
 
-_CN_DIGITS: dict[str, int] = {
-    "零": 0, "〇": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4,
-    "五": 5, "六": 6, "七": 7, "八": 8, "九": 9,
-}
-_CN_SMALL_UNITS: dict[str, int] = {"十": 10, "百": 100, "千": 1000}
-_CN_BIG_UNITS: dict[str, int] = {"万": 10_000, "亿": 100_000_000}
-_CN_NUMERAL_CHARS = "".join(_CN_DIGITS) + "".join(_CN_SMALL_UNITS) + "".join(_CN_BIG_UNITS)
-
-_EN_ONES: dict[str, int] = {
-    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6,
-    "seven": 7, "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12,
-    "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16,
-    "seventeen": 17, "eighteen": 18, "nineteen": 19,
-}
-_EN_TENS: dict[str, int] = {
-    "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
-    "seventy": 70, "eighty": 80, "ninety": 90,
-}
-_EN_SCALES: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 1000}
-# Articles stand for one in "in a sentence", "in a single word".
-_EN_ONE_ARTICLES = frozenset({"a", "an", "single", "a single"})
 
 
 def chinese_numeral_to_int(text: str) -> int:
@@ -199,13 +156,13 @@ def chinese_numeral_to_int(text: str) -> int:
     section = 0  # value below the current 万/亿 group
     digit = 0  # pending digit waiting for its unit
     for ch in text:
-        if ch in _CN_DIGITS:
-            digit = _CN_DIGITS[ch]
-        elif ch in _CN_SMALL_UNITS:
-            section += (digit or 1) * _CN_SMALL_UNITS[ch]
+        if ch in lex.CN_DIGITS:
+            digit = lex.CN_DIGITS[ch]
+        elif ch in lex.CN_SMALL_UNITS:
+            section += (digit or 1) * lex.CN_SMALL_UNITS[ch]
             digit = 0
-        elif ch in _CN_BIG_UNITS:
-            total += (section + digit or 1) * _CN_BIG_UNITS[ch]
+        elif ch in lex.CN_BIG_UNITS:
+            total += (section + digit or 1) * lex.CN_BIG_UNITS[ch]
             section = digit = 0
         else:
             raise ValueError(f"not a Chinese numeral: {text!r}")
@@ -219,22 +176,22 @@ def english_numeral_to_int(text: str) -> int:
     of it ("a dozen", "a hundred"). Raises ValueError otherwise.
     """
     cleaned = " ".join(text.lower().replace("-", " ").split())
-    if cleaned in _EN_ONE_ARTICLES:
+    if cleaned in lex.EN_ONE_ARTICLES:
         return 1
     if not cleaned:
         raise ValueError("empty English numeral")
     total = 0
     current = 0
     words = cleaned.split(" ")
-    if len(words) > 1 and words[0] in ("a", "an") and words[1] in _EN_SCALES:
+    if len(words) > 1 and words[0] in ("a", "an") and words[1] in lex.EN_SCALES:
         words = words[1:]
     for word in words:
         if word == "and":
             continue
-        if word in _EN_ONES:
-            current += _EN_ONES[word]
-        elif word in _EN_TENS:
-            current += _EN_TENS[word]
+        if word in lex.EN_ONES:
+            current += lex.EN_ONES[word]
+        elif word in lex.EN_TENS:
+            current += lex.EN_TENS[word]
         elif word == "dozen":
             current = (current or 1) * 12
         elif word == "hundred":
@@ -253,7 +210,7 @@ def parse_number(text: str) -> int:
     digits = stripped.replace(",", "")
     if digits.isascii() and digits.isdigit():
         return int(digits)
-    if stripped and all(ch in _CN_NUMERAL_CHARS for ch in stripped):
+    if stripped and all(ch in lex.CN_NUMERAL_CHARS for ch in stripped):
         return chinese_numeral_to_int(stripped)
     return english_numeral_to_int(stripped)
 
@@ -290,7 +247,7 @@ def count_lexicon_hits(text: str, lexicon: tuple[str, ...]) -> int:
 
 def _label_hits(text: str, label: str, lexicon: tuple[str, ...]) -> int:
     """Lexicon hits for label, less those inside its false friends ("程序" in "程序员")."""
-    return count_lexicon_hits(text, lexicon) - count_lexicon_hits(text, FALSE_FRIENDS.get(label, ()))
+    return count_lexicon_hits(text, lexicon) - count_lexicon_hits(text, lex.FALSE_FRIENDS.get(label, ()))
 
 
 def _best_by_hits(
@@ -331,8 +288,7 @@ _LANG_TOKEN = re.compile(
     r"|(?P<code>[(){}\[\]=<>+*/\\`#$|&^~]+)"
     r"|(?P<end>[。！？!?；\n：:]|[.;](?=\s|\Z))"  # NFKC has made "：" a ":"
 )
-# Chinese grammar: a segment holding one of these is a Chinese sentence whatever Latin words it names.
-_ZH_FUNCTION_CHARS = frozenset("的了吗呢吧么什怎这那请把被让给在是有和与或就都也还要会能用里个哪")
+
 
 
 class _Segment:
@@ -377,12 +333,12 @@ def _language_units(text: str) -> tuple[float, float, float]:
         kind = m.lastgroup
         if kind == "cjk":
             seg.cjk += 1
-            seg.zh_grammar = seg.zh_grammar or m.group() in _ZH_FUNCTION_CHARS
+            seg.zh_grammar = seg.zh_grammar or m.group() in lex.ZH_FUNCTION_CHARS
         elif kind == "latin":
             seg.latin += 1
             word = m.group().lower()
-            english_words += word in ENGLISH_FUNCTION_WORDS
-            foreign_words += word in FOREIGN_FUNCTION_WORDS
+            english_words += word in lex.ENGLISH_FUNCTION_WORDS
+            foreign_words += word in lex.FOREIGN_FUNCTION_WORDS
         elif kind == "end":
             z, e, o, c = close(seg)
             zh, en, other, code_latin = zh + z, en + e, other + o, code_latin + c
@@ -425,12 +381,7 @@ def detect_language(text: str) -> str:
 # Length constraints and budget
 # --------------------------------------------------------------------------
 
-_UNIT_ALIASES: dict[str, str] = {
-    "字": "chars", "字符": "chars", "character": "chars", "char": "chars", "letter": "chars",
-    "词": "words", "单词": "words", "word": "words",
-    "句": "sentences", "句话": "sentences", "句子": "sentences", "sentence": "sentences",
-    "token": "tokens",
-}
+
 
 # Linear time (see the module docstring): each quantifier below is bounded, and
 # lookbehinds/lookaheads stop a number from starting or ending inside a longer
@@ -444,7 +395,7 @@ _MAX_EN_NUMBER_WORDS = 10  # nine hundred ninety-nine thousand nine hundred nine
 
 _CN_NUM = (
     rf"((?<![0-9])[0-9]{{1,{_MAX_DIGITS}}}(?![0-9])"
-    rf"|(?<![{_CN_NUMERAL_CHARS}])[{_CN_NUMERAL_CHARS}]{{1,{_MAX_CN_NUMERAL_CHARS}}}(?![{_CN_NUMERAL_CHARS}]))"
+    rf"|(?<![{lex.CN_NUMERAL_CHARS}])[{lex.CN_NUMERAL_CHARS}]{{1,{_MAX_CN_NUMERAL_CHARS}}}(?![{lex.CN_NUMERAL_CHARS}]))"
 )
 _CN_UNIT = r"(?:个)?(字符|字|单词|词|句话|句子|句|tokens?)"
 # "少于" etc. must not follow 不: "不少于50字" means at least 50.
@@ -454,7 +405,7 @@ _CN_PREFIX = (
     r"控制在|限制在|限定在|限于|限在|限)"
 )
 _EN_NUMBER_WORDS = "|".join(
-    sorted([*_EN_ONES, *_EN_TENS, *_EN_SCALES], key=len, reverse=True)
+    sorted([*lex.EN_ONES, *lex.EN_TENS, *lex.EN_SCALES], key=len, reverse=True)
 )
 _EN_WORD = rf"\b(?:{_EN_NUMBER_WORDS})\b"
 _EN_WORD_GAP = r"[\s-]{1,4}"  # "twenty-five", "one hundred", "twenty - five"
@@ -468,7 +419,7 @@ _EN_DIGITS = (
 # follows a number (a unit, "years") is never a number word, so giving words back
 # cannot make a match, and not trying saves the backtracking on every failed start.
 _EN_WORDS = (
-    rf"(?>(?:\ban?{_EN_WORD_GAP}(?=(?:{'|'.join(_EN_SCALES)})\b))?"  # "a dozen", "a hundred"
+    rf"(?>(?:\ban?{_EN_WORD_GAP}(?=(?:{'|'.join(lex.EN_SCALES)})\b))?"  # "a dozen", "a hundred"
     rf"{_EN_WORD}(?:{_EN_WORD_GAP}(?:and{_EN_WORD_GAP})?{_EN_WORD}){{0,{_MAX_EN_NUMBER_WORDS - 1}}})"
 )
 _EN_NUM_ALTERNATIVES = rf"{_EN_DIGITS}|{_EN_WORDS}"
@@ -477,7 +428,7 @@ _EN_NUM = rf"({_EN_NUM_ALTERNATIVES})"
 _EN_RANGE_LEAD = (
     rf"(?:(?:{_EN_NUM_ALTERNATIVES}){_SEP}(?:or|to){_SEP}|[0-9]{{1,{_MAX_DIGITS}}}\s{{0,2}}[-–]\s{{0,2}})?"
 )
-_CN_RANGE_LEAD = rf"(?:[0-9{_CN_NUMERAL_CHARS}]{{1,4}}{_GAP}(?:到|至|或|-|~|～){_GAP})?"  # 三到五句话
+_CN_RANGE_LEAD = rf"(?:[0-9{lex.CN_NUMERAL_CHARS}]{{1,4}}{_GAP}(?:到|至|或|-|~|～){_GAP})?"  # 三到五句话
 _EN_UNIT = r"(words?|characters?|chars?|letters?|sentences?|tokens?)\b"
 _EN_PREFIX = (
     rf"(?:under|below|fewer{_SEP}than|less{_SEP}than|no{_SEP}more{_SEP}than|not{_SEP}more{_SEP}than|"
@@ -589,9 +540,9 @@ def _per_item_count(text: str, m: re.Match[str]) -> int | None:
 def _normalize_unit(raw: str) -> str:
     """BUDGET_RULES unit for a matched unit word; "" if unknown (a case-folded look-alike)."""
     unit = raw.lower()
-    if unit in _UNIT_ALIASES:
-        return _UNIT_ALIASES[unit]
-    return _UNIT_ALIASES.get(unit.removesuffix("s"), "")  # English plurals
+    if unit in lex.UNIT_ALIASES:
+        return lex.UNIT_ALIASES[unit]
+    return lex.UNIT_ALIASES.get(unit.removesuffix("s"), "")  # English plurals
 
 
 def find_length_constraints(prompt: str) -> list[tuple[int, str]]:
@@ -676,10 +627,10 @@ def _role_line_pattern(roles: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(rf"^[ \t]*(?:{alternation})(?![a-z])[ \t]*[:：]", re.IGNORECASE | re.MULTILINE)
 
 
-_USER_LINE = _role_line_pattern(USER_ROLES)
-_ASSISTANT_LINE = _role_line_pattern(ASSISTANT_ROLES)
-_SYSTEM_LINE = _role_line_pattern(SYSTEM_ROLES)
-_ANY_ROLE_LINE = _role_line_pattern(USER_ROLES + ASSISTANT_ROLES + SYSTEM_ROLES)
+_USER_LINE = _role_line_pattern(lex.USER_ROLES)
+_ASSISTANT_LINE = _role_line_pattern(lex.ASSISTANT_ROLES)
+_SYSTEM_LINE = _role_line_pattern(lex.SYSTEM_ROLES)
+_ANY_ROLE_LINE = _role_line_pattern(lex.USER_ROLES + lex.ASSISTANT_ROLES + lex.SYSTEM_ROLES)
 # Llama-2 chat template: each [INST] opens a user turn.
 _INST_TAG = re.compile(r"\[INST\]")
 _SYS_BLOCK = re.compile(r"^\s*(?:<s>\s*)?(?:\[INST\]\s*)?<<SYS>>(.*?)<</SYS>>", re.DOTALL)
@@ -747,19 +698,40 @@ def compute_prefix_key(system_text: str) -> int:
 # --------------------------------------------------------------------------
 
 
+
+# "render this paragraph in Spanish", "what does 'carpe diem' mean in English": a verb, then "in <language>" in the same
+# sentence. Bounded gap: O(1) per start.
+_TRANSLATE_PHRASE = re.compile(
+    rf"\b(?:render|say|express|mean)\b[^\n.?!:]{{0,60}}?\b(?:in|into)\s{{1,4}}(?:{lex.LANGUAGE_NAMES})\b", re.IGNORECASE
+)
+# "<an English phrase> 是什么意思": asking what a foreign sentence means is a translation.
+_MEANING_QUESTION = re.compile(r"是?(?:什么|啥)意思")
+_LATIN_PHRASE_TAIL = re.compile(r"(?:[A-Za-z']{1,20}\s{1,4}){2,8}[A-Za-z']{1,20}[\"'”’」]?\s{0,4}\Z")
+_MEANING_LOOKBACK = 120
+
+
+def _asks_translation(text: str) -> bool:
+    if _TRANSLATE_PHRASE.search(text):
+        return True
+    for m in _MEANING_QUESTION.finditer(text):
+        if _LATIN_PHRASE_TAIL.search(text, max(0, m.start() - _MEANING_LOOKBACK), m.start()):
+            return True
+    return False
+
+
 def detect_task(text: str, turns: int = 1) -> str:
     """Multi-turn prompts are "chat"; else the first task lexicon that hits; default "qa"."""
     if turns > 1:
         return "chat"
-    for task, lexicon in TASK_LEXICONS:
-        if count_lexicon_hits(text, lexicon):
+    for task, lexicon in lex.TASK_LEXICONS:
+        if _label_hits(text, task, lexicon) > 0 or (task == "translate" and _asks_translation(text)):
             return task
     return "qa"
 
 
 def detect_domain(text: str) -> str:
     """Domain with the most lexicon hits (ties: medical, legal, finance); default "general"."""
-    return _best_by_hits(text, DOMAIN_LEXICONS) or "general"
+    return _best_by_hits(text, lex.DOMAIN_LEXICONS) or "general"
 
 
 _EN_AGE = re.compile(rf"{_EN_NUM}{_EN_WORD_GAP}years?{_EN_WORD_GAP}old\b", re.IGNORECASE)
@@ -781,9 +753,55 @@ def _age_hits(text: str) -> dict[str, int]:
     return hits
 
 
+# A profession after a reader cue names the reader: "for portfolio managers", "as a senior engineer",
+# "I'm a nurse", "面向心内科医生", "我是一名药剂师". Bare "my cardiologist" is only someone mentioned.
+_EXPERT_READER_EN = re.compile(
+    r"\b(?:for|as\s{1,4}an?|i'?m\s{1,4}an?|i\s{1,4}am\s{1,4}an?|aimed\s{1,4}at)\s{1,4}"
+    r"(?:[a-z-]{1,20}\s{1,4}){0,4}?"
+    rf"(?:{'|'.join(re.escape(w) for w in sorted(lex.EXPERT_READERS_EN, key=len, reverse=True))}|[a-z]{{2,16}}ologist)"
+    r"(?:s|es)?\b",
+    re.IGNORECASE,
+)
+_EXPERT_READER_ZH = re.compile(
+    r"(?:面向|(?<!因)为(?!什么|了|何)|给|供|我是|作为|身为)(?:一名|一位|一个|名|位)?[\u4e00-\u9fff]{0,5}?"
+    rf"(?:{'|'.join(sorted(lex.EXPERT_READERS_ZH, key=len, reverse=True))})"
+)
+# Someone only talked about, not the reader: "孩子的抚养权", "custody of the kids" (unless a reader cue
+# such as 给/向/to/for comes just before: "给三年级的学生讲讲", "for my grandmother's 90th").
+_SUBJECT_BEFORE = re.compile(r"\bof\s{1,4}(?:the|my|our|your|his|her|their)\s{1,4}\Z")
+_SUBJECT_AFTER = re.compile(r"的|['’]s\b")
+_READER_CUE = re.compile(r"(?:[给向跟对为教帮][^，。,.!?！？]{0,4}|\b(?:to|for)\b[^,.;!?]{0,12})\Z")
+_AUDIENCE_LOOKBACK = 16
+
+
+def _audience_word_hits(lowered: str, lexicon: tuple[str, ...]) -> int:
+    """Lexicon hits that can be the reader: a possessive mention with no reader cue is not counted."""
+    hits = 0
+    for m in _lexicon_pattern(lexicon).finditer(lowered):
+        start = max(0, m.start() - _AUDIENCE_LOOKBACK)
+        subject = _SUBJECT_AFTER.match(lowered, m.end()) or _SUBJECT_BEFORE.search(lowered, start, m.start())
+        if subject and not _READER_CUE.search(lowered, start, m.start()):
+            continue
+        hits += 1
+    return hits
+
+
 def detect_audience(text: str) -> str:
-    """Audience with the most hits (ties: elderly, child, expert); default "general"."""
-    return _best_by_hits(text, AUDIENCE_LEXICONS, extra=_age_hits(text)) or "general"
+    """Audience with the most hits (ties: elderly, child, expert); default "general".
+
+    Hits are audience words that can be the reader, ages ("5-year-old", "80岁") and professions
+    after a reader cue.
+    """
+    lowered = text.lower()
+    hits = _age_hits(text)
+    hits["expert"] = len(_EXPERT_READER_EN.findall(lowered)) + len(_EXPERT_READER_ZH.findall(lowered))
+    best_label, best_hits = "", 0
+    for label, lexicon in lex.AUDIENCE_LEXICONS:
+        count = (_audience_word_hits(lowered, lexicon) + hits.get(label, 0)
+                 - count_lexicon_hits(lowered, lex.FALSE_FRIENDS.get(label, ())))
+        if count > best_hits:  # strict: an equal count keeps the earlier label
+            best_label, best_hits = label, count
+    return best_label or "general"
 
 
 def normalize_priority(priority: str) -> str:
