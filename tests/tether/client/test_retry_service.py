@@ -432,3 +432,51 @@ def test_chat_reports_a_reply_that_failed_after_its_first_token(admission):
     with Client(server.target, retry=generate.retry_policy(2)) as client:
         chat.repl(client, chat.Conversation(), {}, io.StringIO("hi\n"), io.StringIO(), err, interactive=False)
     assert STREAM_STARTED in err.getvalue() and len(server.servicer.calls) == 1
+
+
+# ---- cancelling a stream while it waits to retry ---------------------------------------------------------------
+
+def test_cancel_cuts_a_streams_retry_wait_short(admission):
+    """The real sleep (no injection): a 60 s RetryInfo wait ends as soon as cancel() is called."""
+    server = admission(refuse(retry_after=60.0), ANSWER)
+    with Client(server.target) as client:
+        stream = client.stream("hello")
+        outcome = []
+
+        def consume():
+            try:
+                list(stream)
+            except Exception as e:   # noqa: BLE001 - the test inspects it
+                outcome.append(e)
+        t = threading.Thread(target=consume)
+        t.start()
+        for _ in range(2000):       # until the first attempt was refused (at most 20 s)
+            if server.servicer.calls and server.servicer.calls[0].ended >= 0:
+                break
+            threading.Event().wait(0.01)
+        stream.cancel()             # before or during the wait: Event.wait returns at once either way
+        t.join(20)
+    assert not t.is_alive(), "cancel() did not end the retry wait"
+    assert outcome and outcome[0].code in (C.CANCELLED, C.RESOURCE_EXHAUSTED)
+    assert len(server.servicer.calls) == 1     # no second attempt after the cancel
+
+
+def test_async_cancel_cuts_a_streams_retry_wait_short(admission):
+    server = admission(refuse(retry_after=60.0), ANSWER)
+
+    async def run():
+        async with AsyncClient(server.target) as client:
+            stream = client.stream("hello")
+
+            async def consume():
+                return [d async for d in stream]
+            task = asyncio.create_task(consume())
+            while not server.servicer.calls or server.servicer.calls[0].ended < 0:
+                await asyncio.sleep(0.01)   # until the first attempt was refused
+            stream.cancel()
+            with pytest.raises(Exception) as info:
+                await asyncio.wait_for(task, 20)
+            return info.value
+    error = asyncio.run(run())
+    assert not isinstance(error, asyncio.TimeoutError), "cancel() did not end the retry wait"
+    assert len(server.servicer.calls) == 1
