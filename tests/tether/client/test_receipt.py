@@ -7,8 +7,8 @@ import pytest
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from tether.client.errors import (InvalidArgument, ReceiptMismatch, ResourceExhausted, TetherError, Unavailable,
-                                  from_rpc_error)
+from tether.client.errors import (Aborted, InvalidArgument, ReceiptMismatch, ResourceExhausted, TetherError,
+                                  Unavailable, from_rpc_error)
 from tether.client.receipt import check_index, check_receipt
 from tether.client.wire import StreamAssembler, result_from_response
 from tether.protocol.hashing import prompt_digest
@@ -184,3 +184,18 @@ def test_resource_exhausted_carries_retry_after():
     assert isinstance(e, ResourceExhausted) and e.retry_after == 1.5
     bare = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy"))
     assert isinstance(bare, ResourceExhausted) and bare.retry_after is None
+
+
+def test_any_code_may_carry_retry_after():
+    """An open circuit breaker answers UNAVAILABLE with RetryInfo; the SDK's retries read it from any code."""
+    details = (("grpc-status-details-bin", retry_details(4.0)),)
+    e = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "breaker open", details))
+    assert isinstance(e, Unavailable) and e.retry_after == 4.0 and e.attempts == 1 and e.gave_up == ""
+    aborted = from_rpc_error(FakeRpcError(grpc.StatusCode.ABORTED, "rebuilds spent"))
+    assert isinstance(aborted, Aborted) and aborted.retry_after is None
+
+
+def test_a_garbled_status_detail_does_not_hide_the_status():
+    e = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
+                                    (("grpc-status-details-bin", b"\xff\xff not a status"),)))
+    assert isinstance(e, ResourceExhausted) and e.message == "busy" and e.retry_after is None

@@ -103,7 +103,8 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
             if outcome[0] == "refuse":
                 await self._refuse(context, *outcome[1:])
             digest_of = b"someone else's prompt" if outcome[0] == "bad_receipt" else None
-            return admission_pb2.GenerateResponse(text="ok", token_ids=[1, 2], receipt=self._receipt(request, 2, digest_of),
+            return admission_pb2.GenerateResponse(text="ok", token_ids=[1, 2],
+                                                  receipt=self._receipt(request, 2, digest_of),
                                                   finish_reason=common_pb2.FINISH_REASON_LENGTH)
         finally:
             self._leave(request, call)
