@@ -51,7 +51,7 @@ import hashlib
 import math
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -220,21 +220,48 @@ def parse_number(text: str) -> int:
 # --------------------------------------------------------------------------
 
 
+def _trie_regex(words: set[str], suffix: Callable[[str], str]) -> str:
+    """One regex for a set of literal words, factored by common prefix (a trie).
+
+    A flat alternation tries every word at every position; the trie follows only
+    the branches the text takes, so a 300-word lexicon costs about as much as one
+    word. At a node where one word ends and a longer one goes on, the longer is
+    tried first, so "血糖仪" counts once, not as "血糖" too. suffix(word) is what may
+    follow a complete word (a plural "s").
+    """
+    trie: dict[str, dict] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # "" marks the end of a word
+    def build(node: dict[str, dict], prefix: str) -> str:
+        branches = [re.escape(ch) + build(child, prefix + ch) for ch, child in sorted(node.items()) if ch]
+        if "" not in node:
+            return branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{'|'.join([*branches, suffix(prefix)])})" if branches else suffix(prefix)
+    return build(trie, "")
+
+
 @lru_cache(maxsize=64)
 def _lexicon_pattern(lexicon: tuple[str, ...]) -> re.Pattern[str]:
-    """One alternation per lexicon, longest first so "血糖仪" counts once, not as "血糖" too.
+    """One trie-shaped regex per lexicon (see _trie_regex).
 
     Matched against lowercased text: re.IGNORECASE, and a boundary check per word
     instead of one shared check, each cost several times more at every position.
     """
-    words = sorted({w.lower() for w in lexicon if w}, key=lambda w: (-len(w), w))
+    words = {w.lower() for w in lexicon if w}
+    parts = []
     # Chinese has no word boundaries to check. These go first: a non-ASCII word can
     # only clash with an ASCII word that is its (shorter) prefix, so longest-first holds.
-    parts = [re.escape(w) for w in words if not w.isascii()]
+    chinese = {w for w in words if not w.isascii()}
+    if chinese:
+        parts.append(_trie_regex(chinese, lambda w: ""))
     # English words need boundaries ("sue" must not hit "issue"); allow plurals.
-    english = [re.escape(w) + ("(?:s|es)?" if w[-1].isalpha() else "") for w in words if w.isascii()]
+    english = {w for w in words if w.isascii()}
     if english:
-        parts.append(rf"(?<![a-z0-9])(?:{'|'.join(english)})(?![a-z0-9])")
+        plural = _trie_regex(english, lambda w: "(?:s|es)?" if w[-1].isalpha() else "")
+        parts.append(rf"(?<![a-z0-9]){plural}(?![a-z0-9])")
     return re.compile("|".join(parts))
 
 
@@ -769,7 +796,7 @@ _EXPERT_READER_ZH = re.compile(
 # Someone only talked about, not the reader: "孩子的抚养权", "custody of the kids" (unless a reader cue
 # such as 给/向/to/for comes just before: "给三年级的学生讲讲", "for my grandmother's 90th").
 _SUBJECT_BEFORE = re.compile(r"\bof\s{1,4}(?:the|my|our|your|his|her|their)\s{1,4}\Z")
-_SUBJECT_AFTER = re.compile(r"的|['’]s\b")
+_SUBJECT_AFTER = re.compile(r"的|['’](?:s\b|(?=\s))")  # 孩子的, grandma's, the kids'
 _READER_CUE = re.compile(r"(?:[给向跟对为教帮][^，。,.!?！？]{0,4}|\b(?:to|for)\b[^,.;!?]{0,12})\Z")
 _AUDIENCE_LOOKBACK = 16
 

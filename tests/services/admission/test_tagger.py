@@ -334,6 +334,14 @@ def test_size_class_follows_budget() -> None:
         ("Write a poem about the sea", "creative"),
         ("What is the boiling point of water?", "qa"),
         ("天空为什么是蓝色的？", "qa"),
+        ("What does 'carpe diem' mean in English?", "translate"),
+        ("How do you say good night in Korean?", "translate"),
+        ("See you later alligator 是什么意思", "translate"),
+        ("Write a riddle about a clock", "creative"),
+        ("写一副新年对联", "creative"),
+        ("写一个程序员的段子", "creative"),  # a programmer is a person, not code
+        ("My pandas groupby drops NaN keys", "code"),
+        ("How should I react to criticism?", "qa"),  # react the verb, not React
     ],
 )
 def test_detect_task(text: str, task: str) -> None:
@@ -375,6 +383,14 @@ def test_overlapping_keywords_count_once() -> None:
         # one hit each: tie goes to medical, then legal
         ("doctor contract", "medical"),
         ("contract loan", "legal"),
+        # everyday vocabulary, not only the professional words
+        ("Is a high price-to-earnings ratio a warning sign?", "finance"),
+        ("信用卡逾期会影响征信吗", "finance"),
+        ("My tenant stopped paying rent and won't leave; can I evict him?", "legal"),
+        ("公司不给经济补偿就辞退我，合法吗", "legal"),
+        ("Can I take ibuprofen for a toothache?", "medical"),
+        ("嗓子疼还有点发烧，要去医院吗", "medical"),
+        ("How do I write a function that adds two numbers?", "general"),  # coding, no domain
     ],
 )
 def test_detect_domain(text: str, domain: str) -> None:
@@ -398,6 +414,17 @@ def test_detect_domain(text: str, domain: str) -> None:
         ("我今年30岁", "general"),
         ("万岁", "general"),
         ("How do magnets work?", "general"),
+        # a profession after a reader cue is the reader; a profession only mentioned is not
+        ("For tax accountants: what changed in depreciation rules?", "expert"),
+        ("I'm a radiologist; compare these two contrast agents", "expert"),
+        ("面向会计师讲讲新收入准则", "expert"),
+        ("My accountant says I owe more tax", "general"),
+        ("因为医生说要多喝水，推荐几种饮料", "general"),  # 因为 + 医生 is not 为医生
+        # someone only talked about (a possessive with no reader cue) is not the reader
+        ("Who keeps the kids' toys after the move?", "general"),
+        ("孩子的学费可以分期交吗", "general"),
+        ("给老人的手机推荐", "elderly"),  # 给 makes the 老人 the one it is for
+        ("Explain fractions to fourth graders", "child"),
     ],
 )
 def test_detect_audience(text: str, audience: str) -> None:
