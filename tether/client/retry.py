@@ -58,6 +58,8 @@ class RetryPolicy:
     exhausted_needs_retry_info: retry RESOURCE_EXHAUSTED only when the server said when (RetryInfo). Without
         one it is a refusal that will not change: gRPC's own "message larger than max", or a context that can
         never fit the pipeline's KV pool.
+    max_wait_s: the longest single wait; a server asking for more gets the error raised instead, so a caller
+        without a timeout is never parked silently for minutes.
     budget_ratio, budget_burst: the RetryBudget each client builds (see there).
     """
 
@@ -66,6 +68,7 @@ class RetryPolicy:
     max_backoff_s: float = 10.0
     retry_codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
     exhausted_needs_retry_info: bool = True
+    max_wait_s: float = 30.0
     budget_ratio: float = 0.1
     budget_burst: float = 5.0
 
@@ -75,6 +78,8 @@ class RetryPolicy:
         if not (0 <= self.base_backoff_s <= self.max_backoff_s) or not math.isfinite(self.max_backoff_s):
             raise ValueError(f"backoff must satisfy 0 <= base_backoff_s <= max_backoff_s < inf; got "
                              f"base {self.base_backoff_s}, max {self.max_backoff_s}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be 0 or more seconds; got {self.max_wait_s}")
         never = set(self.retry_codes) & NEVER_RETRIED
         if never:
             raise ValueError(f"{', '.join(sorted(c.name for c in never))} must never be retried: the same request "
@@ -112,10 +117,13 @@ class RetryPolicy:
         if attempts >= self.max_attempts:
             return None, f"gave up after {_attempts(attempts)} (max_attempts={self.max_attempts})"
         delay = self.backoff(attempts, retry_after, rand)
+        asked = f" (the server asked for at least {retry_after:g} s)" if retry_after else ""
+        if delay > self.max_wait_s:
+            return None, (f"gave up after {_attempts(attempts)}: the next attempt would be in {delay:.3g} s{asked}, "
+                          f"longer than max_wait_s={self.max_wait_s:g}")
         if deadline is not None and now + delay >= deadline:
-            why = f"the server asked to wait {retry_after:g} s" if retry_after else f"the backoff is {delay:.3g} s"
-            return None, (f"gave up after {_attempts(attempts)}: {why}, past the call's deadline "
-                          f"({max(deadline - now, 0.0):.3g} s left)")
+            return None, (f"gave up after {_attempts(attempts)}: the next attempt would be in {delay:.3g} s{asked}, "
+                          f"past the call's deadline ({max(deadline - now, 0.0):.3g} s left)")
         return delay, ""
 
 

@@ -79,6 +79,13 @@ def test_retry_info_is_a_floor_with_the_jitter_on_top():
     assert p.backoff(1, 20.0, 0.0) == 20.0               # the server's word beats max_backoff_s
 
 
+def test_a_server_asking_for_too_long_a_wait_gets_the_error_raised():
+    p = RetryPolicy(max_wait_s=30.0)
+    assert p.next_delay(C.UNAVAILABLE, 29.0, 1, 0.0, None, 0.0) == (29.0, "")
+    delay, why = p.next_delay(C.UNAVAILABLE, 3600.0, 1, 0.0, None, 0.0)
+    assert delay is None and "longer than max_wait_s=30" in why
+
+
 def test_retry_numbers_start_at_one():
     with pytest.raises(ValueError, match="start at 1"):
         RetryPolicy().backoff(0, None, 0.5)
@@ -95,7 +102,8 @@ def test_never_sleeps_past_the_deadline():
     p = RetryPolicy()
     assert p.next_delay(C.RESOURCE_EXHAUSTED, 1.0, 1, now=10.0, deadline=11.5, rand=0.0) == (1.0, "")
     delay, why = p.next_delay(C.RESOURCE_EXHAUSTED, 1.0, 1, now=10.0, deadline=10.9, rand=0.0)
-    assert delay is None and "asked to wait 1 s, past the call's deadline (0.9 s left)" in why
+    assert delay is None and why == ("gave up after 1 attempt: the next attempt would be in 1 s (the server asked "
+                                     "for at least 1 s), past the call's deadline (0.9 s left)")
     # the jitter counts too: 1 + 0.999 * 0.5 lands past 11.4
     assert p.next_delay(C.RESOURCE_EXHAUSTED, 1.0, 1, now=10.0, deadline=11.4, rand=0.999)[0] is None
 

@@ -440,7 +440,7 @@ def test_chat_reports_a_reply_that_failed_after_its_first_token(admission):
 def test_cancel_cuts_a_streams_retry_wait_short(admission):
     """The real sleep (no injection): a 60 s RetryInfo wait ends as soon as cancel() is called."""
     server = admission(refuse(retry_after=60.0), ANSWER)
-    with Client(server.target) as client:
+    with Client(server.target, retry=RetryPolicy(max_wait_s=120)) as client:
         stream = client.stream("hello")
         outcome = []
 
@@ -466,7 +466,7 @@ def test_async_cancel_cuts_a_streams_retry_wait_short(admission):
     server = admission(refuse(retry_after=60.0), ANSWER)
 
     async def run():
-        async with AsyncClient(server.target) as client:
+        async with AsyncClient(server.target, retry=RetryPolicy(max_wait_s=120)) as client:
             stream = client.stream("hello")
 
             async def consume():
