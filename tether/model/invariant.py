@@ -10,12 +10,24 @@ What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "B
   results can differ by an ulp from the vector path. Padding rows to a multiple of 4*T keeps every
   tensor (and every thread's chunk of it) a multiple of the vector width when widths are multiples of 16.
 
+- Since every multiple of 4*T rows on T threads has the 1-thread bits, a micro-batch needs no more threads
+  than it has 4-row units: `invariant_threads` runs a batch of 1-4 rows on 1 thread padded to 4 rows, not on
+  T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
+
 Attention, the one op that mixes rows, is in tether/model/tiles.py.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+# torch's thread count is process-wide: while one invariant forward runs on fewer threads, another must not
+# start (it would pad for the lowered count and run on the restored one).
+_THREADS_LOCK = threading.Lock()
 
 
 def padded_rows(rows: int, threads: int | None = None) -> int:
@@ -28,3 +40,25 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def threads_for(rows: int, threads: int | None = None) -> int:
+    """Threads worth using for `rows`: at most one per 4-row unit (every choice gives the same bits)."""
+    return max(1, min(threads or torch.get_num_threads(), -(-rows // 4)))
+
+
+@contextmanager
+def invariant_threads(rows: int) -> Iterator[int]:
+    """Run an invariant forward of `rows` rows on `threads_for(rows)` threads, then restore the count. One
+    invariant forward at a time per process, since the count is process-wide."""
+    with _THREADS_LOCK:
+        before = torch.get_num_threads()
+        use = threads_for(rows, before)
+        if use == before:
+            yield use
+            return
+        torch.set_num_threads(use)
+        try:
+            yield use
+        finally:
+            torch.set_num_threads(before)

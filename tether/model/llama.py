@@ -19,7 +19,7 @@ from tether import settings
 from tether.kv.cache import KVCache
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import pad_rows, padded_rows
+from tether.model.invariant import invariant_threads, pad_rows, padded_rows
 from tether.model.tiles import AttentionPlan, Scratch, tile_attention
 
 
@@ -204,8 +204,14 @@ class ModelSlice(nn.Module):
 
         Each slot's KV must come from `new_kv` and already have room (`kv.ensure`); on success the caller
         advances `kv.length`. With batch invariance on, rows are padded (tether/model/invariant.py) and the
-        padding dropped.
+        padding dropped; a small batch runs on fewer threads (`invariant_threads`, the same bits).
         """
+        if not self.batch_invariant:
+            return self._forward(inputs, slots)
+        with invariant_threads(inputs.shape[0]):
+            return self._forward(inputs, slots)
+
+    def _forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
         rows = inputs.shape[0]
         prows = padded_rows(rows) if self.batch_invariant else rows
         plan = None
@@ -224,5 +230,7 @@ class ModelSlice(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
         rows = hidden.shape[0]
-        prows = padded_rows(rows) if self.batch_invariant else rows
-        return self.lm_head(self.norm(pad_rows(hidden, prows)))[:rows].float()
+        if not self.batch_invariant:
+            return self.lm_head(self.norm(hidden)).float()
+        with invariant_threads(rows):
+            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows))))[:rows].float()

@@ -1,0 +1,103 @@
+"""A small micro-batch runs on fewer threads (`invariant_threads`): 1-4 rows on 1 thread padded to 4, instead of
+T threads padded to 4*T. These tests pin the claim it rests on, bitwise, for every row count 1..70 at 1 and 2
+threads: a row's result is the same whichever thread count and padding the rule picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tether.model.invariant import invariant_threads, pad_rows, padded_rows, threads_for
+from tether.model.llama import SlotRows
+from tether.model.loader import load_slice, resolve_model
+
+ROWS = range(1, 71)
+# (in, out) of every linear layer of the presets tiny and small and of SmolLM2-135M (its head excepted)
+SHAPES = [(256, 256), (256, 128), (256, 688), (688, 256), (256, 272),
+          (512, 512), (512, 256), (512, 1376), (1376, 512), (512, 272),
+          (576, 576), (576, 192), (576, 1536), (1536, 576)]
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_threads_for_uses_no_more_threads_than_4_row_units():
+    assert [threads_for(r, 2) for r in (0, 1, 4, 5, 8, 9, 70)] == [1, 1, 1, 2, 2, 2, 2]
+    assert [threads_for(r, 4) for r in (1, 5, 9, 12, 13, 64)] == [1, 2, 3, 3, 4, 4]
+    assert threads_for(70, 1) == 1
+
+
+def test_invariant_threads_lowers_the_count_inside_and_restores_it(threads):
+    with invariant_threads(1) as used:
+        assert used == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
+    with pytest.raises(RuntimeError):
+        with invariant_threads(3):
+            raise RuntimeError("a failed step")
+    assert torch.get_num_threads() == threads
+    with invariant_threads(70) as used:
+        assert used == torch.get_num_threads() == threads
+
+
+def _linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x's rows through F.linear the way an invariant forward runs them: threads and padding by the rule."""
+    rows = x.shape[0]
+    with invariant_threads(rows):
+        return F.linear(pad_rows(x, padded_rows(rows)), w)[:rows]
+
+
+@pytest.mark.parametrize("inner,outer", SHAPES)
+def test_a_linear_row_has_the_same_bits_at_every_row_count(threads, inner, outer):
+    g = torch.Generator().manual_seed(inner * outer)
+    w = torch.randn(outer, inner, generator=g) / inner ** 0.5
+    x = torch.randn(max(ROWS), inner, generator=g)
+    want = torch.cat([_alone(x[i:i + 1], w) for i in range(len(x))])
+    for rows in ROWS:
+        assert torch.equal(_linear_rows(x[:rows], w), want[:rows]), f"{rows} rows at {threads} threads"
+
+
+def _alone(row: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One row alone on 1 thread (padded to 4 rows): the bits every batch must reproduce."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return F.linear(pad_rows(row, 4), w)[:1]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_slice(resolve_model("tiny"))
+
+
+def test_a_decode_step_has_the_same_bits_among_0_to_69_neighbours(tiny, threads):
+    """A request's decode logits alone at 1 thread, and batched with 0..69 other decodes at 1 or 2 threads
+    (so 1..70 rows: below, at and past the rows where fewer threads are used)."""
+    g = torch.Generator().manual_seed(5)
+    contexts = torch.randint(1, 150, (max(ROWS),), generator=g).tolist()
+    kvs = []
+    for n in contexts:
+        kv = tiny.new_kv()
+        kv.ensure(n + 1)
+        tiny(torch.randint(0, 256, (n,), generator=g), [SlotRows(kv, 0, n)])
+        kv.length = n
+        kvs.append(kv)
+    ids = torch.randint(0, 256, (max(ROWS),), generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = tiny.logits(tiny(ids[:1], [SlotRows(kvs[0], contexts[0], 1)]))
+    finally:
+        torch.set_num_threads(before)
+    for rows in ROWS:
+        h = tiny(ids[:rows], [SlotRows(kv, n, 1) for kv, n in zip(kvs[:rows], contexts)])
+        assert torch.equal(tiny.logits(h)[:1], want), f"{rows} rows at {threads} threads"
+    for kv in kvs:
+        kv.release()
