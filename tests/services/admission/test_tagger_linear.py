@@ -44,6 +44,10 @@ PIECES: tuple[str, ...] = (
     "<<SYS>>", "<s>[INST] ", "[/INST]",
     " ", "\t", "\n", "\n \n", "　",
     "blood sugar code 血糖 ",
+    # the rules of issue 12 part 5: per-item caps, ranges, readers, translation cues, mixed scripts
+    "each ", "each in ", "每条", "每个标题", "a ", "a dozen ", "or ", "two or ", "2-", "三到",
+    "for ", "as a ", "senior ", "engineers", "面向", "我是一名", "的", "'s ", "of the ",
+    "render ", " in french", "是什么意思", "x ", "用Python写", "TypeError: ", "(a, b)", "。",
 )
 
 # (head, repeated body, tail): the classic shape is a prefix, one long run, then
@@ -74,6 +78,18 @@ SHAPES: list[tuple[str, str, str]] = [
     ("", " ", ""),
     ("\n", " \t", "User:"),
     ("", "blood sugar code 血糖 ", ""),
+    ("list four tips, ", "each ", "under 5 words"),
+    ("列出三条建议，", "每条", "不超过5字"),
+    ("in ", "two or ", "three sentences"),
+    ("under ", "a ", "dozen words"),
+    ("for ", "senior ", "engineers"),
+    ("面向", "资深", "工程师"),
+    ("", "of the ", "kids"),
+    ("render ", "x ", " in french"),
+    ("", "hello ", "是什么意思"),
+    ("", "用Python写", ""),
+    ("翻译：", "x ", ""),
+    ("", "TypeError: (a, b) ", ""),
 ]
 
 
