@@ -1,0 +1,371 @@
+"""deploy/k8s is correct by construction: no cluster is needed to check it.
+
+No pure-Python kustomize exists, so `render()` builds what `kubectl kustomize` would for the subset the manifests
+use (resources, namespace, labels, images, JSON 6902 patches), and every check runs on the base and on the
+example overlay: the containers run the `tether` subcommands with the flags service_commands() gives them (metrics
+on, JSON logs, --threads = the CPU limit), stage i of the StatefulSet holds layer slice i, the coordinator's route
+and admission's coordinator are the Services' DNS names and ports, probes use gRPC health on the gRPC port,
+Prometheus annotations name the metrics port, and every resource has requests and limits.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tether import settings
+from tether.cli.cluster import default_metrics_ports, service_commands
+from tether.cli.main import SERVICE_MODULES
+from tether.model.config import parse_layers
+from tether.model.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+BASE = K8S / "base"
+OVERLAY = K8S / "overlays" / "example"
+ADDRESS_FLAGS = {"--stages", "--coordinator"}
+K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants"}   # flags a deployment sets that the local launcher leaves default
+CLUSTER_SCOPED = {"Namespace"}
+IMAGE_UID = 10001                                   # the Dockerfile's `useradd --uid`
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def _json_patch(doc: dict, ops: list[dict]) -> None:
+    """RFC 6902 add / replace / remove (what the overlay uses)."""
+    for op in ops:
+        *parents, last = _pointer(op["path"])
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] == "remove":
+            del node[int(last) if isinstance(node, list) else last]
+            continue
+        value = copy.deepcopy(op["value"])
+        if isinstance(node, list):
+            if op["op"] == "add":
+                node.insert(len(node) if last == "-" else int(last), value)
+            else:
+                node[int(last)] = value
+        elif op["op"] == "replace":
+            assert last in node, f"replace of a missing {op['path']}"
+            node[last] = value
+        elif op["op"] == "add":
+            node[last] = value
+        else:
+            raise AssertionError(f"unsupported patch op {op['op']}")
+
+
+def _workload_containers(doc: dict) -> list[dict]:
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        return doc["spec"]["template"]["spec"]["containers"]
+    return []
+
+
+def render(folder: Path) -> list[dict]:
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unknown = set(k) - {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
+    assert not unknown, f"{folder}: kustomization fields this renderer does not model: {unknown}"
+    docs: list[dict] = []
+    for res in k.get("resources", []):
+        path = (folder / res).resolve()
+        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in k.get("patches", []):
+        target = patch["target"]
+        hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        assert len(hits) == 1, f"patch target {target} matches {len(hits)} resources"
+        _json_patch(hits[0], yaml.safe_load(patch["patch"]))
+    for group in k.get("labels", []):
+        for d in docs:
+            d["metadata"].setdefault("labels", {}).update(group["pairs"])
+    for image in k.get("images", []):
+        for d in docs:
+            for c in _workload_containers(d):
+                name, _, tag = c["image"].partition(":")
+                if name == image["name"]:
+                    c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+    if "namespace" in k:
+        for d in docs:
+            if d["kind"] not in CLUSTER_SCOPED:
+                d["metadata"]["namespace"] = k["namespace"]
+    return docs
+
+
+@pytest.fixture(params=["base", "overlay"])
+def docs(request) -> list[dict]:
+    return render(BASE if request.param == "base" else OVERLAY)
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
+    return hits[0]
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+STAGE, COORD, ADMISSION = ("StatefulSet", "tether-stage"), ("Deployment", "tether-coordinator"), \
+    ("Deployment", "tether-admission")
+
+
+def _config(docs: list[dict]) -> dict[str, str]:
+    return one(docs, "ConfigMap", "tether-config")["data"]
+
+
+def _env(docs: list[dict], container: dict, ordinal: int = 0) -> dict[str, str]:
+    """The container's environment as the kubelet resolves it: ConfigMap keys, the pod-index label, $(VAR)."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = _expand(e["value"], env)
+            continue
+        src = e["valueFrom"]
+        if "configMapKeyRef" in src:
+            ref = src["configMapKeyRef"]
+            assert ref["name"] == "tether-config"
+            env[e["name"]] = _config(docs)[ref["key"]]
+        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.labels['apps.kubernetes.io/pod-index']":
+            env[e["name"]] = str(ordinal)
+        elif src.get("fieldRef"):
+            env[e["name"]] = f"<{src['fieldRef']['fieldPath']}>"
+        else:
+            raise AssertionError(f"unexpected env source {src}")
+    return env
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion; a reference to a variable not defined before it would stay literal."""
+    def sub(m: re.Match) -> str:
+        assert m.group(1) in env, f"$({m.group(1)}) is not defined before its use"
+        return env[m.group(1)]
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
+
+
+def _argv(docs: list[dict], kind_name: tuple[str, str], ordinal: int = 0) -> list[str]:
+    (c,) = _workload_containers(one(docs, *kind_name))
+    assert "command" not in c, "the image's ENTRYPOINT (`tether`) runs; args pick the subcommand"
+    env = _env(docs, c, ordinal)
+    return [_expand(a, env) for a in c["args"]]
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    pairs = list(zip(args[::2], args[1::2]))
+    assert len(args) % 2 == 0 and all(k.startswith("--") for k, _ in pairs), args
+    assert len({k for k, _ in pairs}) == len(pairs), f"repeated flag in {args}"
+    return dict(pairs)
+
+
+def _replicas(docs: list[dict]) -> int:
+    return one(docs, *STAGE)["spec"]["replicas"]
+
+
+def _cpu(text: str) -> float:
+    return float(text[:-1]) / 1000 if str(text).endswith("m") else float(text)
+
+
+def _mib(text: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti)", str(text))
+    assert m, f"memory {text!r}: use a binary unit"
+    return float(m.group(1)) * units[m.group(2)]
+
+
+def _reference(docs: list[dict]) -> dict[str, list[str]]:
+    """service_commands() of the same cluster: metrics on, JSON logs, --threads = the stages' CPU limit."""
+    n = _replicas(docs)
+    (stage,) = _workload_containers(one(docs, *STAGE))
+    threads = int(_cpu(stage["resources"]["limits"]["cpu"]))
+    extra = {role: ["--log-format", "json"] for role in ("stage", "coordinator", "admission")}
+    services = service_commands(_config(docs)["model"], n, threads=threads, extra=extra,
+                                metrics_ports=default_metrics_ports(n))
+    return {s.name: s.argv[s.argv.index("-m") + 2:] for s in services}
+
+
+def _all_commands(docs: list[dict]) -> dict[str, list[str]]:
+    out = {f"stage{i}": _argv(docs, STAGE, i) for i in range(_replicas(docs))}
+    out["coordinator"], out["admission"] = _argv(docs, COORD), _argv(docs, ADMISSION)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+def test_the_resources(docs):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {STAGE, COORD, ADMISSION, ("Service", "tether-stage"), ("Service", "tether-coordinator"),
+            ("Service", "tether-admission"), ("ConfigMap", "tether-config")} <= kinds
+    for d in docs:
+        if d["kind"] not in CLUSTER_SCOPED:   # the overlay's own Namespace is not the base's
+            assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tether", d["metadata"]["name"]
+
+
+def test_commands_parse_and_match_service_commands(docs):
+    reference = _reference(docs)
+    for name, argv in _all_commands(docs).items():
+        role = "stage" if name.startswith("stage") else name
+        assert argv[0] == role
+        module = importlib.import_module(f"services.{SERVICE_MODULES[role]}.main")
+        try:
+            ns = module.build_parser().parse_args(argv[1:])
+        except SystemExit as e:
+            pytest.fail(f"{name}: `tether {' '.join(argv)}` does not parse (exit {e.code})")
+        assert ns.host == "0.0.0.0"
+        mine, theirs = _flags(argv[1:]), _flags(reference[name])
+        assert set(theirs) <= set(mine), f"{name}: missing {sorted(set(theirs) - set(mine))}"
+        assert set(mine) - set(theirs) <= K8S_ONLY_FLAGS, f"{name}: unexpected {sorted(set(mine) - set(theirs))}"
+        for flag in set(theirs) - {"--host", "--port", "--metrics-port"} - ADDRESS_FLAGS:
+            assert mine[flag] == theirs[flag], f"{name}: {flag} {mine[flag]!r} != service_commands() {theirs[flag]!r}"
+
+
+def test_ports_are_the_settings(docs):
+    """Every pod has its own IP: every stage uses stage 0's ports."""
+    commands = _all_commands(docs)
+    for name, argv in commands.items():
+        f = _flags(argv[1:])
+        port, metrics = {"coordinator": (settings.COORDINATOR_PORT, settings.COORDINATOR_METRICS_PORT),
+                         "admission": (settings.ADMISSION_PORT, settings.ADMISSION_METRICS_PORT)}.get(
+            name, (settings.STAGE_BASE_PORT, settings.STAGE_METRICS_BASE_PORT))
+        assert (int(f["--port"]), int(f["--metrics-port"])) == (port, metrics), name
+
+
+def test_stage_i_holds_slice_i_and_the_slices_cover_the_model(docs):
+    model = _config(docs)["model"]
+    assert model in PRESETS, "the base image bakes the presets only; another model needs a volume"
+    num_layers = PRESETS[model].num_hidden_layers
+    n = _replicas(docs)
+    ranges = []
+    for i in range(n):
+        layers = _flags(_argv(docs, STAGE, i)[1:])["--layers"]
+        assert layers == f"{i}/{n}", "slice = the pod's ordinal, of N = replicas"
+        ranges.append(parse_layers(layers, num_layers))
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+
+
+def _service_port(svc: dict, name: str) -> int:
+    (p,) = [p for p in svc["spec"]["ports"] if p["name"] == name]
+    assert p.get("targetPort", p["port"]) == p["port"]
+    return p["port"]
+
+
+def _selects(svc: dict, workload: dict) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+
+
+def test_route_is_the_statefulset_pods_by_dns(docs):
+    sts = one(docs, *STAGE)
+    headless = one(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and _selects(headless, sts)
+    assert headless["spec"].get("publishNotReadyAddresses") is True
+    assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    port = _service_port(headless, "grpc")
+    expected = [f"{sts['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}"
+                for i in range(_replicas(docs))]
+    assert _flags(_argv(docs, COORD)[1:])["--stages"].split(",") == expected
+
+
+def test_admission_points_at_the_coordinator_service(docs):
+    coord, svc = one(docs, *COORD), one(docs, "Service", "tether-coordinator")
+    assert _selects(svc, coord)
+    assert coord["spec"]["replicas"] == 1, "one coordinator per pipeline: it is the single writer"
+    assert coord["spec"]["strategy"]["type"] == "Recreate", "two coordinators must never share the stages"
+    assert _flags(_argv(docs, ADMISSION)[1:])["--coordinator"] == f"tether-coordinator:{_service_port(svc, 'grpc')}"
+    adm, adm_svc = one(docs, *ADMISSION), one(docs, "Service", "tether-admission")
+    assert _selects(adm_svc, adm)
+
+
+@pytest.mark.parametrize("kind_name", [STAGE, COORD, ADMISSION])
+def test_ports_probes_and_scrape_annotations(docs, kind_name):
+    w = one(docs, *kind_name)
+    (c,) = _workload_containers(w)
+    f = _flags(_argv(docs, kind_name)[1:])
+    grpc_port, metrics_port = int(f["--port"]), int(f["--metrics-port"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    svc = one(docs, "Service", w["metadata"]["name"] if kind_name != STAGE else w["spec"]["serviceName"])
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
+    # readiness: gRPC health (admission and the coordinator are SERVING only while their pipeline is)
+    assert c["readinessProbe"]["grpc"]["port"] == grpc_port
+    startup, liveness = c["startupProbe"], c["livenessProbe"]
+    assert (startup.get("grpc") or startup.get("tcpSocket"))["port"] == grpc_port
+    if kind_name == STAGE:
+        assert liveness["grpc"]["port"] == grpc_port
+    else:   # NOT_SERVING while the pipeline recovers is not a reason to restart: the port alone
+        assert liveness["tcpSocket"]["port"] == grpc_port
+    notes = w["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == metrics_port
+    assert notes["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("kind_name", [STAGE, COORD, ADMISSION])
+def test_resources_security_and_otel(docs, kind_name):
+    w = one(docs, *kind_name)
+    (c,) = _workload_containers(w)
+    res = c["resources"]
+    for key in ("cpu", "memory"):
+        assert key in res["requests"] and key in res["limits"], f"{kind_name}: {key} requests and limits"
+    assert _cpu(res["requests"]["cpu"]) <= _cpu(res["limits"]["cpu"])
+    assert _mib(res["requests"]["memory"]) <= _mib(res["limits"]["memory"])
+    f = _flags(_argv(docs, kind_name)[1:])
+    if kind_name == STAGE:
+        assert int(f["--threads"]) == _cpu(res["limits"]["cpu"]), "torch threads = the CPU limit"
+        kv = float(f.get("--kv-memory-mib", settings.KV_MEMORY_MIB))
+        assert _mib(res["limits"]["memory"]) >= kv + 1024, "the KV pool plus 1 GiB for weights and runtime"
+    pod = w["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == IMAGE_UID
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    env = _env(docs, c)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http") and env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4317")
+    assert env["OTEL_SERVICE_NAME"] == w["metadata"]["name"]
+
+
+def test_tenants_file_is_admissions_and_mounted_where_it_reads_it(docs, tmp_path):
+    text = _config(docs)["tenants.toml"]
+    tomllib.loads(text)
+    limits = importlib.import_module("services.admission.limits")
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    limits.TenantLimits.from_file(path)   # admission's own parser accepts it
+    adm = one(docs, *ADMISSION)
+    (c,) = _workload_containers(adm)
+    (mount,) = c["volumeMounts"]
+    (vol,) = [v for v in adm["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    (item,) = vol["configMap"]["items"]
+    assert vol["configMap"]["name"] == "tether-config" and item["key"] == "tenants.toml"
+    mounted = f"{mount['mountPath']}/{item['path']}"
+    flags = _flags(_argv(docs, ADMISSION)[1:])
+    if "--tenants" in flags:   # admission's --tenants (issue 12): the file the ConfigMap mounts
+        assert flags["--tenants"] == mounted
+
+
+def test_images(docs):
+    images = {c["image"] for d in docs for c in _workload_containers(d)}
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert len(images) == 1
+    if all("namespace" not in d["metadata"] for d in docs):   # the base: the image docker-compose builds
+        assert images == {compose["x-tether"]["image"]}
+    else:
+        assert images == {"registry.example.com/tether:0.1.0"}
+
+
+def test_overlay_namespace_and_changes():
+    docs = render(OVERLAY)
+    one(docs, "Namespace", "tether")
+    assert all(d["metadata"].get("namespace") == "tether" for d in docs if d["kind"] != "Namespace")
+    assert one(docs, *ADMISSION)["spec"]["replicas"] == 2
+    assert one(docs, "Service", "tether-admission")["spec"]["type"] == "LoadBalancer"
+    anti = one(docs, *STAGE)["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
+    # the base is untouched by rendering the overlay
+    assert one(render(BASE), *ADMISSION)["spec"]["replicas"] == 1
