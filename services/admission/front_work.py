@@ -24,6 +24,7 @@ from tether.model.chat_template import load_chat_template
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import load_tokenizer
 from tether.procutil import die_with
+from tether.telemetry import logs
 from tether.v1 import admission_pb2
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,11 @@ def untagged(valid: ValidRequest) -> Tags:
                 priority=valid.priority, tenant=valid.tenant, turns=1, prefix_key=0)
 
 
-def _init_worker(folder: str, parent: int) -> None:
+def _init_worker(folder: str, parent: int, log_config: tuple[str, str, str] | None = None) -> None:
     global _worker_limits
     die_with(parent, "admission exited before its worker started")   # a killed admission leaves no workers
+    if log_config is not None:   # a spawned worker starts unconfigured: log as admission does (json or text)
+        logs.configure(*log_config)
     _worker_limits = model_limits(folder)
 
 
@@ -98,7 +101,7 @@ class FrontWork:
             return None
         # spawn, not fork: admission is a threaded gRPC process, and a forked copy of its locks can deadlock.
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.folder, os.getpid()))
+                                   initializer=_init_worker, initargs=(self.folder, os.getpid(), logs.current()))
 
     def restart(self, broken: ProcessPoolExecutor) -> None:
         """A worker of `broken` died (that pool is unusable for good): start a new pool, once, from the event

@@ -30,6 +30,7 @@ LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("tether_reque
 TRACE_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("tether_trace_id", default=None)
 INTERNAL_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
 _JSON = False   # set by configure(): whether `announce` should log instead of print
+_CONFIG: tuple[str, str, str] | None = None   # configure()'s arguments, for worker processes (current())
 
 # LogRecord's own attributes: anything else on a record came from `extra=` and is written as a field.
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -95,7 +96,7 @@ class JsonFormatter(logging.Formatter):
 
 def configure(service: str, level: str = "INFO", fmt: str = "text") -> None:
     """Configure the root logger of a service process (replaces any earlier handler)."""
-    global _JSON
+    global _JSON, _CONFIG
     if fmt not in settings.LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(settings.LOG_FORMATS)}; got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
@@ -109,6 +110,13 @@ def configure(service: str, level: str = "INFO", fmt: str = "text") -> None:
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     _JSON = fmt == "json"
+    _CONFIG = (service, level, fmt)
+
+
+def current() -> tuple[str, str, str] | None:
+    """(service, level, format) of this process's configure(), for a spawned worker to configure itself alike;
+    None if it was never called."""
+    return _CONFIG
 
 
 def announce(logger: logging.Logger, message: str) -> None:

@@ -98,6 +98,7 @@ def test_configure_checks_the_format_and_announce_follows_it(capsys):
     saved = root.handlers[:], root.level
     try:
         logs.configure("stage", "INFO", "json")
+        assert logs.current() == ("stage", "INFO", "json")   # what admission's tag workers configure alike
         logs.announce(logging.getLogger("stage"), "stage listening on 127.0.0.1:1")
         err = capsys.readouterr().err.strip().splitlines()
         assert json.loads(err[-1])["message"] == "stage listening on 127.0.0.1:1"
