@@ -63,14 +63,33 @@ def tile_layout(count: int, height: int, heads: int, kv_heads: int, block: int) 
     for `count` positions, then padding rows that repeat the tile's first query (their results are dropped).
 
     Returns: each row's query as an offset from the tile's first row of q viewed as [rows * heads, d]
-    ([kv_heads, height]); each row's position from the tile's first ([height, 1]); the padding rows
-    ([height, 1]); and the key offsets in a block ([block])."""
+    ([kv_heads, height]); each row's position from the tile's first ([height, 1]); the real (not padding)
+    rows ([height, 1]); and the key offsets in a block ([block])."""
     group = heads // kv_heads
     p = torch.arange(height)
     i, g = p % count, p // count
     pad = p >= group * count
     offset = (i * heads + g + torch.arange(kv_heads)[:, None] * group).masked_fill_(pad, 0)
-    return offset, i[:, None], pad[:, None], torch.arange(block)
+    return offset, i[:, None], ~pad[:, None], torch.arange(block)
+
+
+@functools.lru_cache(maxsize=64)
+def output_rows(padded: int, heads: int, kv_heads: int, block: int,
+                layout: tuple[tuple[int, int, tuple[int, ...]], ...]) -> tuple[torch.Tensor, int]:
+    """Where each (row, head) of a micro-batch's attention output comes from among its batches' tile rows,
+    and how many tile rows there are. `layout`: (count, height, first rows of the tiles) per batch. Cached: it
+    depends on the tiles' shapes and rows, not their positions, so a run of decode steps builds it once.
+    GEMM padding rows (past the real ones) read output 0: any finite row will do, they are dropped."""
+    out_index = torch.zeros(padded * heads, dtype=torch.long)
+    outputs = 0
+    for count, height, rows in layout:
+        offset = tile_layout(count, height, heads, kv_heads, block)[0]
+        real = heads // kv_heads * count
+        q_index = torch.tensor(rows)[:, None, None] * heads + offset              # [tiles, kv_heads, height]
+        source = torch.arange(outputs, outputs + q_index.numel()).view(q_index.shape)
+        out_index[q_index[:, :, :real].flatten()] = source[:, :, :real].flatten()
+        outputs += q_index.numel()
+    return out_index, outputs
 
 
 @dataclass
@@ -78,6 +97,8 @@ class TileBatch:
     """Tiles with the same number of query positions, attended by one set of ops."""
 
     tiles: int
+    count: int                 # query positions of each tile
+    rows: tuple[int, ...]      # each tile's first row in the micro-batch
     height: int
     real: int                  # real rows of a tile per kv head (the rest pad it to `height`)
     q_index: torch.Tensor      # [tiles, kv_heads, height] rows of q viewed as [rows * heads, d]
@@ -90,18 +111,24 @@ class TileBatch:
     def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena) -> "TileBatch":
         block, count = arena.block, tiles[0].count
         height = padded_rows(heads // kv_heads * count)
-        offset, i, pad, keys = tile_layout(count, height, heads, kv_heads, block)
-        pairs = [(n, j, t.kv.blocks[j], t.kv.tags[j], t.position, t.row * heads)
-                 for n, t in enumerate(tiles) for j in range(-(-(t.position + count) // block))]
-        columns = long_tensor(itertools.chain.from_iterable(zip(*pairs))).view(6, -1)
-        pair_tile, pair_j, pair_block, pair_serial, pair_pos, pair_row = columns
+        offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
+        pair_tile, blocks, tags, first_pos = [], [], [], []
+        for n, t in enumerate(tiles):   # plain ints: a step's plan is mostly Python, keep it lean
+            seen = -(-(t.position + count) // block)
+            if len(t.kv.blocks) < seen:
+                raise RuntimeError("a tile's keys are past its KV blocks (ensure() was not called)")
+            pair_tile += [n] * seen
+            blocks += t.kv.blocks[:seen]
+            tags += t.kv.tags[:seen]
+            first_pos += range(t.position, t.position - seen * block, -block)   # position - j * block
+        columns = long_tensor(itertools.chain(pair_tile, blocks, tags, first_pos, (t.row * heads for t in tiles)))
+        pair_tile, pair_block, pair_serial, first_pos = columns[:-len(tiles)].view(4, -1)
         arena.verify(pair_block, pair_serial)
-        pair_q = pair_row[:, None, None] + offset                                 # [pairs, kv_heads, height]
-        qpos = pair_pos[:, None, None] + i                                        # [pairs, height, 1]
-        hidden = (pair_j[:, None, None] * block + keys > qpos) & ~pad             # [pairs, height, block]
-        firsts = [k for k, pr in enumerate(pairs) if pr[1] == 0]
-        return cls(len(tiles), height, heads // kv_heads * count, pair_q[firsts], pair_tile, pair_block,
-                   pair_q.flatten(), hidden.unsqueeze(1))
+        q_index = columns[-len(tiles):, None, None] + offset                     # [tiles, kv_heads, height]
+        # key j*block + k is past query i of a tile at position pos: k > pos - j*block + i
+        hidden = (keys > first_pos[:, None, None] + i) & real                     # [pairs, height, block]
+        return cls(len(tiles), count, tuple(t.row for t in tiles), height, heads // kv_heads * count, q_index,
+                   pair_tile, pair_block, q_index.index_select(0, pair_tile).flatten(), hidden.unsqueeze(1))
 
 
 @dataclass
@@ -146,15 +173,8 @@ class AttentionPlan:
                     start, size = n, 0
                 size += pairs * unit
             batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena))
-        # Where each (row, head) of the output comes from. GEMM padding rows (past `row`) read output 0:
-        # any finite row will do, they are dropped.
-        out_index = torch.zeros(padded * heads, dtype=torch.long)
-        outputs = 0
-        for b in batches:
-            n = b.q_index.numel()
-            source = torch.arange(outputs, outputs + n).view(b.q_index.shape)
-            out_index[b.q_index[:, :, :b.real].flatten()] = source[:, :, :b.real].flatten()
-            outputs += n
+        layout = tuple((b.count, b.height, b.rows) for b in batches)
+        out_index, outputs = output_rows(padded, heads, kv_heads, block, layout)
         return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)
 
 
