@@ -5,6 +5,7 @@ is the median over repeats of the per-repeat ratio (the machine is shared and no
 never a bare time).
 
     .venv/bin/python bench/batch_invariance.py --model tiny --model small
+    .venv/bin/python bench/batch_invariance.py --breakdown     # where a batch-1 decode step's time goes
 
 Decode runs B requests at one context length, then at mixed lengths (uniform in 16..4*context: the
 invariant kernels never pad a request's keys to its neighbours'); prefill runs B prompts in one micro-batch,
@@ -18,9 +19,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
+from tether.model.invariant import padded_rows
 from tether.model.llama import ModelSlice, SlotRows
 from tether.model.loader import load_slice, resolve_model
+from tether.model.tiles import AttentionPlan, tile_attention
 
 
 def _prefilled(model: ModelSlice, contexts: list[int], g: torch.Generator):
@@ -76,6 +80,46 @@ def ratio(plain: ModelSlice, inv: ModelSlice, run, repeats: int) -> tuple[float,
     return statistics.median(plain_rates), statistics.median(ratios)
 
 
+def _decode_slot(model: ModelSlice, context: int) -> list[SlotRows]:
+    kv = model.new_kv()
+    kv.ensure(context + 1)
+    model(torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(2)), [SlotRows(kv, 0, context)])
+    kv.length = context
+    return [SlotRows(kv, context, 1)]
+
+
+@torch.inference_mode()
+def breakdown(plain: ModelSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
+    """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
+    the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
+    cfg, rows = inv.cfg, padded_rows(1)
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    si, sp = _decode_slot(inv, context), _decode_slot(plain, context)
+    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch)
+    q, k = torch.randn(rows, heads, d), torch.randn(rows, kv_heads, d)
+    linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(rows, m.in_features) for m in linears]
+    attn, layers = plain.layers[0].self_attn, range(cfg.num_hidden_layers)
+    pieces = {
+        "step, plain": lambda: plain.logits(plain(torch.tensor([5]), sp)),
+        "step, invariant": lambda: inv.logits(inv(torch.tensor([5]), si)),
+        f"linears at {rows} rows": lambda: [F.linear(x, m.weight) for x, m in zip(xs, linears)],
+        "linears at 1 row": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
+        "tile attention, every layer": lambda: [tile_attention(q, k, k, 0, plan) for _ in layers],
+        "SDPA per request, every layer": lambda: [attn._per_slot(q[:1], k[:1], k[:1], sp, 0) for _ in layers],
+        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch),
+    }
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    for _ in range(repeats + 1):   # the first round warms up
+        for name, f in pieces.items():
+            t = time.perf_counter()
+            for _ in range(20):
+                f()
+            times[name].append(time.perf_counter() - t)
+    base = times["step, plain"][1:]
+    return {name: statistics.median(t / b for t, b in zip(ts[1:], base)) for name, ts in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", help="preset or HF folder (repeatable; default tiny and small)")
@@ -86,9 +130,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median ratio is reported")
     p.add_argument("--long", type=int, default=1500, help="one long prompt's length (0 skips; default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--breakdown", action="store_true", help="only a batch-1 decode step's pieces, as shares of "
+                   "the plain step")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.breakdown:
+        for name in args.model or ["tiny", "small"]:
+            plain, inv = load_slice(resolve_model(name)), load_slice(resolve_model(name))
+            plain.batch_invariant = False
+            for piece, share in breakdown(plain, inv, args.context, args.repeats).items():
+                print(f"{name:6s} {piece:32s} {share:.2f}× the plain step")
+        return
     batches = [int(b) for b in args.batches.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = invariant / plain throughput "
           f"(median of {args.repeats} interleaved repeats)\n")
