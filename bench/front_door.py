@@ -126,7 +126,7 @@ async def _load(target: str, prompts: list[str], clients: int, seconds: float, v
 
     async def one(i: int) -> None:
         nonlocal served
-        async with AsyncClient(target, timeout=timeout) as client:
+        async with AsyncClient(target, timeout=timeout, retry=None) as client:
             n = i   # clients start at different kinds so every kind is in flight at once
             while time.monotonic() < stop_at:
                 prompt = prompts[n % len(prompts)]
@@ -201,7 +201,7 @@ async def bench(args: argparse.Namespace, target: str) -> dict:
     phases: list[dict] = []
     try:
         await loop.run_in_executor(pool, _warm)   # start the load process now, not inside a measured phase
-        async with AsyncClient(target, timeout=args.timeout) as client:
+        async with AsyncClient(target, timeout=args.timeout, retry=None) as client:
             costs = await kind_costs(client, prompts, args.kind_repeats, args.via)
             await probe(client, min(2.0, args.phase_seconds), args.probe_interval)   # warm-up, not counted
             order = [k for _ in range(args.rounds) for level in args.levels for k in (0, level)]

@@ -106,7 +106,7 @@ async def drive(args: argparse.Namespace, cluster: LocalCluster, workload: Workl
     checkpoints: list[dict] = []
     failed: dict[str, int] = {}
     done = 0
-    async with AsyncClient(cluster.target, timeout=args.timeout) as client:
+    async with AsyncClient(cluster.target, timeout=args.timeout, retry=None) as client:
         await loadgen.closed_loop(client, requests, loadgen.Level("closed", concurrency=min(4, args.concurrency)),
                                   loadgen.Budget(num_requests=args.warmup), lambda r: None)
         pids = engine.with_children(services)

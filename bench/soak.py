@@ -120,7 +120,7 @@ async def _progress(tally: Tally, t0: float, duration_s: float) -> None:
 
 async def _check_model(target: str, pool: list[Combo], model: str) -> None:
     """One unary request first: the receipt says which model answers, and the references are only valid for ours."""
-    async with AsyncClient(target, timeout=60) as client:
+    async with AsyncClient(target, timeout=60, retry=None) as client:
         r = await client.generate(pool[0].request.prompt, **pool[0].request.params())
     want = reference.load(model).fingerprint
     if r.receipt.model_fingerprint != want:
@@ -130,7 +130,7 @@ async def _check_model(target: str, pool: list[Combo], model: str) -> None:
 async def soak(args: argparse.Namespace, target: str, stages: dict[str, str], coordinator: str | None,
                pids: dict[str, int]) -> dict:
     """The whole run against `target`; returns the report (failures included)."""
-    async with AsyncClient(target, timeout=60) as client:
+    async with AsyncClient(target, timeout=60, retry=None) as client:
         pool = await build_pool(client, args.model, args.pool, args.seed, args.max_prompt_tokens)
     await _check_model(target, pool, args.model)
     state_before = await service_state(stages, coordinator)

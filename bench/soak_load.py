@@ -205,6 +205,6 @@ async def run_load(target: str, pool: list[Combo], spec: LoadSpec, tally: Tally)
     """Every user until `spec.duration_s` has passed, then until the requests in flight end (each bounded by
     its deadline). Returns the monotonic time at which sending stopped."""
     deadline = time.monotonic() + spec.duration_s
-    async with AsyncClient(target, timeout=spec.timeout_s) as client:
+    async with AsyncClient(target, timeout=spec.timeout_s, retry=None) as client:
         await asyncio.gather(*(user(i, client, pool, spec, deadline, tally) for i in range(spec.concurrency)))
     return deadline

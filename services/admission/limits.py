@@ -159,13 +159,14 @@ def _limit(section: dict, where: str) -> TenantLimit:
     return TenantLimit(**values)
 
 
-def shed_by_priority(priority: str, active: int, cap: int) -> Refusal | None:
-    """Refuse a request whose priority may not take another of the cap's slots now."""
+def shed_by_priority(priority: str, others: int, cap: int) -> Refusal | None:
+    """Refuse a request whose priority may not take another of the cap's slots now: `others` requests are in
+    flight besides it. Each priority may fill its share of the cap (rounded, at least one slot)."""
     share = PRIORITY_SHARE.get(priority, PRIORITY_SHARE["standard"])
-    if active < max(1, math.floor(cap * share)):
+    if others < max(1, round(cap * share)):
         return None
-    return Refusal(f"admission is at {active} of {cap} concurrent requests; {priority} requests are refused "
-                   f"above {share:.0%} of it", 1.0)
+    return Refusal(f"admission has {others} of its {cap} concurrent requests in flight; {priority} requests are "
+                   f"refused above {share:.0%} of it", 1.0)
 
 
 def shed_by_deadline(predicted_wait_s: float, deadline_s: float | None) -> Refusal | None:

@@ -8,11 +8,14 @@ import logging
 from pathlib import Path
 
 from services.admission.front_work import FrontWork, model_limits
-from services.admission.server import AdmissionServicer, track_readiness
+from services.admission.limits import TenantLimits
+from services.admission.pipelines import Pipelines, parse_coordinators
+from services.admission.routing import POLICIES
+from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
 from services.admission.validate import ModelLimits
 from tether import settings, supervise, telemetry
 from tether.procutil import follow_parent
-from tether.grpcutil import Server, channel
+from tether.grpcutil import Server
 from tether.telemetry import logs, metrics
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
@@ -28,16 +31,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _coordinators(text: str) -> list[tuple[str, frozenset[str]]]:
+    try:
+        return parse_coordinators(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m services.admission",
-        description="tether's public front door: validates and tags requests, limits concurrency, forwards them "
-                    "to a coordinator and streams tokens back with an end-to-end receipt.")
+        description="tether's public front door: validates and tags requests, limits concurrency and tenants, routes "
+                    "each to one of its pipelines and streams tokens back with an end-to-end receipt.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
                    help="gRPC port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--coordinator", metavar="HOST:PORT", default=f"127.0.0.1:{settings.COORDINATOR_PORT}",
-                   help="the coordinator to forward to (default: %(default)s)")
+    p.add_argument("--coordinator", metavar="HOST:PORT[=ROLES],...", default=f"127.0.0.1:{settings.COORDINATOR_PORT}",
+                   type=_coordinators, help="the pipelines to route to: each coordinator's address, optionally with the size classes "
+                        "it is for, e.g. 'h1:50061=long,h2:50061=short+medium' (a pipeline without roles takes "
+                        "any request) (default: %(default)s)")
+    p.add_argument("--route-policy", choices=POLICIES, default=settings.ROUTE_POLICY,
+                   help="how a request's pipeline is chosen: features (its predicted cost against each "
+                        "pipeline's load, prefix-cache affinity, KV room, roles), least-loaded or round-robin "
+                        "(for comparison) (default: %(default)s)")
+    p.add_argument("--tenants", metavar="FILE", default=None,
+                   help="TOML file of per-tenant rate limits ([defaults] and [tenants.NAME] with requests_per_s, "
+                        "tokens_per_s, burst_s); without it no tenant is limited")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
                    help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
                         "since admission tokenizes (default: %(default)s)")
@@ -66,36 +85,43 @@ async def serve(args: argparse.Namespace) -> None:
     folder, limits, fingerprint = load_model_limits(args.model)
     work = FrontWork(folder, limits, args.tag_workers)
     work.warm_up()   # before listening, on this thread (see warm_up): the first large request pays no start-up
-    coordinator = channel(args.coordinator, settings.COORDINATOR_MAX_MESSAGE_BYTES)
+    try:
+        tenant_limits = TenantLimits.from_file(args.tenants) if args.tenants else None
+    except ValueError as e:
+        raise SystemExit(f"tether admission: {e}") from None
+    pipelines = Pipelines(args.coordinator, fingerprint, CoordinatorSession, args.route_policy)
     server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
                     max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
     registry = metrics.new_registry() if args.metrics_port else None
-    servicer = AdmissionServicer(coordinator, args.coordinator, limits, fingerprint, args.max_concurrent,
-                                 args.max_request_seconds, work=work)
+    servicer = AdmissionServicer(pipelines, limits, fingerprint, args.max_concurrent,
+                                 args.max_request_seconds, work=work, tenant_limits=tenant_limits)
     if registry is not None:
         servicer.metrics = metrics.AdmissionMetrics(registry, lambda: servicer.limit.active, args.max_concurrent,
                                                     lambda: servicer.ready)
     admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
-    # NOT_SERVING until the readiness loop has seen the coordinator serve our model.
+    # NOT_SERVING until the readiness loop has seen a pipeline serve our model.
     await server.set_serving(False)
     await server.start()
     async def not_ready(error: BaseException) -> None:
         servicer.set_ready(False, f"readiness check failed: {error!r}")
         await server.set_serving(False)
 
-    readiness = supervise.start("readiness", lambda: track_readiness(server, servicer, coordinator, fingerprint),
-                                not_ready)
+    readiness = supervise.start("readiness", lambda: follow_readiness(server, servicer), not_ready)
+    watches = [supervise.start(f"watch {link.address}", lambda link=link: pipelines.watch(link))
+               for link in pipelines.links.values()]
     if registry is not None:
         port = metrics.serve(registry, args.host, args.metrics_port)
         logs.announce(log, f"admission metrics on http://{args.host}:{port}/metrics")
-    logs.announce(log, f"admission listening on {args.host}:{server.port} (coordinator {args.coordinator}, "
+    logs.announce(log, f"admission listening on {args.host}:{server.port} (pipelines {', '.join(pipelines.links)}, "
                        f"model {args.model} {fingerprint})")
     try:
         await server.wait_for_signal()
     finally:
         readiness.cancel()
+        for task in watches:
+            task.cancel()
         work.close()
-        await coordinator.close()
+        await pipelines.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -184,7 +184,10 @@ class Pipelines:
                 wait = min([l.breaker.retry_after_s() for l in links if l.breaker.retry_after_s() > 0] or
                            [settings.OVERLOAD_RETRY_AFTER_S])
                 raise Refused(grpc.StatusCode.UNAVAILABLE, str(e), max(wait, 0.1)) from None
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), None) from None
+            # A pool too small is the server's limit (RESOURCE_EXHAUSTED, as the coordinator answers it); a
+            # context window too small is the request's fault. Neither gets better by retrying.
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.kv else grpc.StatusCode.INVALID_ARGUMENT
+            raise Refused(code, str(e), None) from None
         link = self.links[decision.pipeline]
         wait = predicted_wait_s(link.load, link.in_flight, req, link.slots_per_step, link.tokens_per_step)
         shed: Refusal | None = shed_by_deadline(wait, deadline_s)

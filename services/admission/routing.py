@@ -87,11 +87,12 @@ class Decision:
 
 
 class NoPipeline(Exception):
-    """No pipeline can take the request; `retryable` says whether one may later (all busy or down)."""
+    """No pipeline can take the request; `retryable` says whether one may later (all busy or down), `kv` that
+    it is the stages' KV pools, not the model's context window, that are too small for it."""
 
-    def __init__(self, message: str, retryable: bool) -> None:
+    def __init__(self, message: str, retryable: bool, kv: bool = False) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable, self.kv = retryable, kv
 
 
 # --- filters ------------------------------------------------------------------------------------------------
@@ -206,9 +207,13 @@ class Router:
             raise NoPipeline("no pipeline is configured", retryable=False)
         fits = [p for p in loads if can_ever_fit(p, req)]
         if not fits:
-            biggest = max(loads, key=lambda p: p.max_context or 0)
-            raise NoPipeline(f"the request needs {req.positions} context positions; no pipeline holds that many "
-                             f"(largest: {biggest.max_context or 'unknown'})", retryable=False)
+            if all(not p.max_context or req.positions <= p.max_context for p in loads):
+                most = max(p.kv_blocks_total * p.block_tokens for p in loads)
+                raise NoPipeline(f"the request needs {req.positions} context positions of KV (prompt + max_tokens "
+                                 f"- 1); the stages of every pipeline hold at most {most}", retryable=False, kv=True)
+            biggest = max(p.max_context for p in loads)
+            raise NoPipeline(f"the request needs {req.positions} context positions; no pipeline's model holds more "
+                             f"than {biggest}", retryable=False)
         live = [p for p in fits if p.serving and allowed(p.name)]
         if not live:
             raise NoPipeline(f"none of the {len(fits)} pipeline(s) that could take the request is serving "

@@ -1,9 +1,12 @@
-"""The Admission service: validate, tag, limit, forward to the coordinator, stream back with a receipt.
+"""The Admission service: validate, tag, limit, route to a pipeline, stream back with a receipt.
 
-Order of work per request, cheapest refusal first: readiness (UNAVAILABLE while the coordinator does not
-serve our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging (large
-requests in worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS while the same
-tenant has it in flight), and only then the coordinator. Every request gets an internal id minted here;
+Order of work per request, cheapest refusal first: readiness (UNAVAILABLE while no pipeline serves our
+model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging (large requests in
+worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS
+while the same tenant has it in flight), the tenant's rate limits and shedding by priority (limits.py;
+RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py: UNAVAILABLE + RetryInfo
+while every pipeline that could take it is down or its breaker open; RESOURCE_EXHAUSTED when none would start
+it before its deadline), and only then that pipeline's coordinator. Every request gets an internal id minted here;
 the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
 """
 
@@ -24,6 +27,9 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from services.admission.front_work import FrontWork, admit
+from services.admission.limits import Refusal, TenantLimits, shed_by_priority
+from services.admission.pipelines import Pipelines, Refused, Routed, follow_readiness as follow_pipelines, routing_key
+from services.admission.routing import RouteRequest
 from services.admission.tagger import Tags
 from services.admission.validate import ModelLimits, ValidRequest
 from tether import settings
@@ -65,8 +71,11 @@ def retry_status_details(code: grpc.StatusCode, message: str, retry_after_s: flo
     return status_pb2.Status(code=code.value[0], message=message, details=[detail]).SerializeToString()
 
 
-def tags_proto(tags: Tags) -> common_pb2.IntentTags:
-    return common_pb2.IntentTags(**dataclasses.asdict(tags))
+def tags_proto(tags: Tags, routed: Routed | None = None) -> common_pb2.IntentTags:
+    proto = common_pb2.IntentTags(**dataclasses.asdict(tags))
+    if routed is not None:
+        proto.pipeline, proto.route_reason = routed.link.address, routed.reason
+    return proto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +88,15 @@ class Admitted:
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
-    """Generate, GenerateStream and Tag, forwarding to one coordinator over a shared channel."""
+    """Generate, GenerateStream and Tag, each request routed to one of the pipelines (a Session stream each)."""
 
-    def __init__(self, coordinator: grpc.aio.Channel, coordinator_target: str, model: ModelLimits,
+    def __init__(self, pipelines: Pipelines, model: ModelLimits,
                  model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
                  tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None,
-                 metrics: AdmissionMetrics | None = None) -> None:
-        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(coordinator)
-        self.session = CoordinatorSession(self.coordinator)   # every request's tokens, over one stream
-        self.coordinator_target = coordinator_target
+                 metrics: AdmissionMetrics | None = None, tenant_limits: TenantLimits | None = None) -> None:
+        self.pipelines = pipelines
+        self.tenant_limits = tenant_limits or TenantLimits()   # no file: no tenant is limited
         self.model = model
         self.model_fingerprint = model_fingerprint
         self.limit = ConcurrencyLimit(max_concurrent)
@@ -97,8 +105,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         # Tokenizing and tagging large requests are CPU work: in worker processes, never on the event loop,
         # which must keep streaming tokens (front_work.py). Without a pool (tests) everything runs inline.
         self.work = work
-        self.ready = False                               # set by track_readiness
-        self.not_ready_reason = "admission has not reached its coordinator yet"
+        self.ready = False                               # set by follow_readiness
+        self.not_ready_reason = "admission has not reached a coordinator yet"
         self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
         self.metrics = metrics                           # None: --metrics-port off, nothing observed
 
@@ -115,9 +123,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         a: Admitted | None = None
         try:
             a = await self._admit(request, context)
-            response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags), seed=a.valid.sampling.seed)
+            routed = await self._route(a, context)
+            response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags, routed), seed=a.valid.sampling.seed)
             text: list[str] = []
-            async with aclosing(self._generate(request, a, context, arrived)) as events:
+            async with aclosing(self._generate(request, a, routed, context, arrived)) as events:
                 async for event, receipt in events:
                     response.token_ids.append(event.token_id)
                     text.append(event.text)
@@ -137,14 +146,15 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         a: Admitted | None = None
         try:
             a = await self._admit(request, context)
+            routed = await self._route(a, context)
             # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
             # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
-            async with aclosing(self._generate(request, a, context, arrived)) as events:
+            async with aclosing(self._generate(request, a, routed, context, arrived)) as events:
                 async for event, receipt in events:
                     chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
                                                         text=event.text, finish_reason=event.finish_reason)
                     if event.index == 0:
-                        chunk.tags.CopyFrom(tags_proto(a.tags))
+                        chunk.tags.CopyFrom(tags_proto(a.tags, routed))
                         chunk.seed = a.valid.sampling.seed
                         chunk.internal_id = a.internal_id
                     if receipt is not None:
@@ -168,7 +178,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     # ---- steps ------------------------------------------------------------------------------------------
 
     async def _check_ready(self, context: grpc.aio.ServicerContext) -> None:
-        """Never forward while the coordinator is down or serves another model: that answer would be wrong."""
+        """Never forward while no pipeline serves our model: that answer would be wrong."""
         if not self.ready:
             self._shed("not_ready")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
@@ -226,11 +236,38 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         details = retry_status_details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, settings.OVERLOAD_RETRY_AFTER_S)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, ((STATUS_DETAILS_KEY, details),))
 
+    async def _route(self, a: Admitted, context: grpc.aio.ServicerContext) -> Routed:
+        """The tenant's limits, shedding by priority, then a pipeline: or a refusal with RetryInfo."""
+        valid, tags = a.valid, a.tags
+        refusal: Refusal | None = shed_by_priority(tags.priority, self.limit.active - 1, self.limit.limit)
+        if refusal is not None:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after_s,
+                               f"priority_{tags.priority}")
+        refusal = self.tenant_limits.check(valid.tenant, len(valid.prompt_token_ids) + tags.output_budget)
+        if refusal is not None:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after_s,
+                               "tenant_limit")
+        req = RouteRequest(len(valid.prompt_token_ids), tags.output_budget, tags.size_class, tags.priority,
+                           routing_key(valid.prompt_token_ids, tags.prefix_key, valid.tenant))
+        try:
+            return self.pipelines.choose(req, context.time_remaining())
+        except Refused as e:
+            await self._refuse(context, e.code, e.message, e.retry_after_s, f"route_{e.code.name.lower()}")
+        raise AssertionError("unreachable: _refuse aborts")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                      retry_after_s: float | None, reason: str) -> None:
+        self._shed(reason)
+        trailers = ()
+        if retry_after_s is not None:
+            trailers = ((STATUS_DETAILS_KEY, retry_status_details(code, message, retry_after_s)),)
+        await context.abort(code, message, trailers)
+
     def _shed(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.shed.labels(reason).inc()
 
-    async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted,
+    async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed,
                         context: grpc.aio.ServicerContext, arrived: float,
                         ) -> AsyncIterator[tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]]:
         """Yield the coordinator's events in order, the last one with its receipt; abort on any error.
@@ -248,7 +285,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                                                sampling=sampling, tenant=valid.tenant, priority=valid.priority,
                                                label=valid.request_id,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining)
-        events = self.session.start(submit)
+        target = routed.link.address
+        events = routed.link.session.start(submit)
         timer = self.metrics.start(valid.tenant, len(valid.prompt_token_ids), arrived) if self.metrics else None
         failure: tuple[grpc.StatusCode, str] | None = None
         ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
@@ -259,7 +297,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                 event = await events.get()
                 if isinstance(event, SessionBroken):
                     ended = True
-                    failure = (event.code, f"coordinator {self.coordinator_target} said: {event.details}")
+                    failure = (event.code, f"coordinator {target} said: {event.details}")
                     break
                 if event.status_code:
                     ended = True
@@ -268,7 +306,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                         failure = (code, f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
                                          f"(the call set no deadline)")
                     else:
-                        failure = (code, f"coordinator {self.coordinator_target} said: {event.status_message}")
+                        failure = (code, f"coordinator {target} said: {event.status_message}")
                     break
                 if event.index != count:
                     failure = (grpc.StatusCode.INTERNAL, f"coordinator skipped a token index: expected {count}, "
@@ -290,7 +328,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                 return
         finally:
             # Runs on client disconnect and deadline too (grpc.aio cancels this task): stop the coordinator's work.
-            self.session.end(rid, cancel=not ended)
+            routed.link.session.end(rid, cancel=not ended)
+            self.pipelines.finished(routed, None if finished else failure[0] if failure else grpc.StatusCode.CANCELLED)
             if timer is not None and not finished:
                 timer.failed(failure[0].name if failure else "CANCELLED")
             # One line per request at DEBUG (free at INFO): with --log-format json, an access log keyed by id.
@@ -414,29 +453,12 @@ def request_digest(request: admission_pb2.GenerateRequest) -> int:
     return prompt_digest(request.prompt)
 
 
-async def track_readiness(server: Server, servicer: AdmissionServicer, coordinator: grpc.aio.Channel,
-                          model_fingerprint: str, interval_s: float = settings.READINESS_POLL_S) -> None:
-    """Report SERVING only while the coordinator says it serves the same model; poll forever (supervised)."""
-    stub = coordinator_pb2_grpc.CoordinatorStub(coordinator)
-    serving: bool | None = None
-    reason = ""
-    while True:
-        try:
-            stats = await stub.Stats(coordinator_pb2.StatsRequest(), timeout=interval_s)
-            if not stats.serving:
-                now, why = False, f"coordinator not serving: {stats.status or 'no reason given'}"
-            elif stats.model_fingerprint != model_fingerprint:
-                # Our tokenizer and receipts would not match its model: serving would give wrong answers.
-                now, why = False, (f"coordinator serves model {stats.model_fingerprint}, "
-                                   f"admission loaded {model_fingerprint}")
-            else:
-                now, why = True, "coordinator serving"
-        except grpc.aio.AioRpcError as e:
-            now, why = False, f"coordinator unreachable: {e.code().name} {e.details()}"
-        servicer.set_ready(now, why)
-        if now != serving or why != reason:
-            await server.set_serving(now)
-            log.log(logging.INFO if now else logging.WARNING, "admission %s (%s)",
-                    "SERVING" if now else "NOT_SERVING", why)
-            serving, reason = now, why
-        await asyncio.sleep(interval_s)
+async def follow_readiness(server: Server, servicer: AdmissionServicer) -> None:
+    """Report SERVING only while some pipeline serves our model (from their load reports; supervised)."""
+    async def changed(ready: bool, why: str) -> None:
+        servicer.set_ready(ready, why)
+        await server.set_serving(ready)
+        log.log(logging.INFO if ready else logging.WARNING, "admission %s (%s)",
+                "SERVING" if ready else "NOT_SERVING", why)
+
+    await follow_pipelines(servicer.pipelines, changed)

@@ -392,8 +392,8 @@ async def compare_levels(args: argparse.Namespace, off: Bench, on: Bench) -> lis
     """--compare-prefix-cache: both clusters up at once, each level run on one then the other (the order
     alternating by repeat), so a change in the machine's load hits both sides alike."""
     out = []
-    async with AsyncClient(off.target, timeout=args.timeout) as c_off, \
-            AsyncClient(on.target, timeout=args.timeout) as c_on:
+    async with AsyncClient(off.target, timeout=args.timeout, retry=None) as c_off, \
+            AsyncClient(on.target, timeout=args.timeout, retry=None) as c_on:
         await off.warm_up(c_off)
         await on.warm_up(c_on)
         sides = [(off, c_off), (on, c_on)]

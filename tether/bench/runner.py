@@ -89,7 +89,7 @@ class Bench:
         """Warm up, call `after_warm_up` (chaos against --target reads the cluster's counters there), then run
         every level."""
         out = []
-        async with AsyncClient(self.target, timeout=self.args.timeout) as client:
+        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
             await self.warm_up(client)
             if after_warm_up is not None:
                 after_warm_up()
@@ -138,7 +138,7 @@ class Bench:
                          label: str) -> loadgen.LevelRun:
         """One chaos run's load on the cluster at `target`: no warm-up (every request counts), and the same
         request sequence for every run, so runs differ only in their faults."""
-        async with AsyncClient(target, timeout=self.args.timeout) as client:
+        async with AsyncClient(target, timeout=self.args.timeout, retry=None) as client:
             return await self.level(client, level, budget, "chaos", label)
 
     def run_baselines(self) -> dict:
@@ -198,5 +198,5 @@ class Bench:
         level = loadgen.Level("closed", concurrency=self.args.batch_size)
         budget = loadgen.Budget(num_requests=self.args.baseline_requests)
         async with self.progress(f"baseline set #{repeat + 1}", budget) as bar, \
-                AsyncClient(self.target, timeout=self.args.timeout) as client:
+                AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
             return await loadgen.closed_loop(client, requests, level, budget, bar.update)

@@ -77,6 +77,10 @@ def test_refusals_none_serving_too_big_and_past_deadline():
     with pytest.raises(Refused) as e:
         p.choose(RouteRequest(100, 16), None)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.retry_after_s is None
+    link.report(report(kv_blocks_total=1))
+    with pytest.raises(Refused) as e:
+        p.choose(RouteRequest(100, 16), None)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.retry_after_s is None
     link.report(report(step_seconds=1.0, waiting=320))
     with pytest.raises(Refused) as e:
         p.choose(RouteRequest(32, 16), deadline_s=2.0)   # 10 steps queued ahead at 1 s each

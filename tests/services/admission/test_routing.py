@@ -30,7 +30,10 @@ def test_filters_context_limit_and_kv_capacity():
     assert route(r, LONG, [small, tiny_pool, big]).pipeline == "c"
     with pytest.raises(NoPipeline) as e:
         route(r, LONG, [small, tiny_pool])
-    assert not e.value.retryable and "1755 context positions" in str(e.value)
+    assert not e.value.retryable and not e.value.kv and "1755 context positions" in str(e.value)
+    with pytest.raises(NoPipeline) as e:
+        route(r, LONG, [tiny_pool])
+    assert not e.value.retryable and e.value.kv and "hold at most 256" in str(e.value)
 
 
 def test_down_or_broken_pipelines_are_skipped_and_all_down_is_retryable():

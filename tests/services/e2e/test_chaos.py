@@ -130,7 +130,7 @@ class Outcome:
 def _run(target: str) -> tuple[int, int, Counter, set[str]]:
     """Send CASES concurrently; return (exact, wrong, failures by status, internal ids of completed requests)."""
     async def go():
-        async with AsyncClient(target, timeout=120) as client:
+        async with AsyncClient(target, timeout=120, retry=None) as client:
             return await asyncio.gather(*(client.generate(**c) for c in CASES), return_exceptions=True)
     results = asyncio.run(go())
     exact = wrong = 0

@@ -26,7 +26,7 @@ from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator
     ("x" * 70000, {}, "prompt"),
 ])
 def test_bad_input_is_invalid_argument_with_a_clear_message(cluster, prompt, params, words):
-    with Client(cluster.target) as client:
+    with Client(cluster.target, retry=None) as client:
         with pytest.raises(TetherError) as info:
             client.generate(prompt, **params)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -51,7 +51,7 @@ def _start_streams(cluster, n: int, max_tokens: int):
     errors: list[BaseException | None] = [None] * n
 
     def run(i: int) -> None:
-        with Client(cluster.target, timeout=180) as client:
+        with Client(cluster.target, timeout=180, retry=None) as client:
             try:
                 stream = client.stream(f"long request {i}", max_tokens=max_tokens, ignore_eos=True,
                                        temperature=1.0, seed=i + 1)

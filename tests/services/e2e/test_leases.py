@@ -23,7 +23,7 @@ def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
         error: list[BaseException] = []
 
         def run() -> None:
-            with Client(cluster.target, timeout=60) as client:
+            with Client(cluster.target, timeout=60, retry=None) as client:
                 try:
                     stream = client.stream("keep going", max_tokens=2000, ignore_eos=True, request_id=rid)
                     for _ in stream:
@@ -45,7 +45,7 @@ def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
 
         cluster.restart("coordinator")                   # a new coordinator: new handshake, serves again
         cluster.wait_ready(120)
-        with Client(cluster.target, timeout=60) as client:
+        with Client(cluster.target, timeout=60, retry=None) as client:
             got = client.generate("hello again", max_tokens=4)
         assert got.token_ids == reference.generate("hello again", max_tokens=4).token_ids
     finally:

@@ -51,7 +51,7 @@ def _until(predicate, timeout: float = 30.0, what: str = "condition"):
 
 
 def test_a_call_without_deadline_ends_at_the_lifetime_and_frees_its_state(short_lived):
-    with Client(short_lived.target) as client:         # timeout=None: no deadline from the caller
+    with Client(short_lived.target, retry=None) as client:         # timeout=None: no deadline from the caller
         t0 = time.monotonic()
         with pytest.raises(TetherError) as info:
             client.generate("go on forever", max_tokens=2000, ignore_eos=True)
@@ -79,7 +79,7 @@ def test_over_the_concurrency_cap_is_resource_exhausted_with_retry_info(short_li
     stop = threading.Event()
 
     def hold() -> None:
-        with Client(short_lived.target, timeout=60) as client:
+        with Client(short_lived.target, timeout=60, retry=None) as client:
             try:
                 for k, _ in enumerate(client.stream("hold a slot", max_tokens=2000, ignore_eos=True)):
                     if k == 0:
@@ -94,7 +94,7 @@ def test_over_the_concurrency_cap_is_resource_exhausted_with_retry_info(short_li
         t.start()
     try:
         started.wait()                                      # both slots taken, both mid-generation
-        with Client(short_lived.target, timeout=30) as client:
+        with Client(short_lived.target, timeout=30, retry=None) as client:
             with pytest.raises(TetherError) as info:
                 client.generate("one more", max_tokens=2)
     finally:
@@ -107,7 +107,7 @@ def test_over_the_concurrency_cap_is_resource_exhausted_with_retry_info(short_li
 
 
 def test_admission_takes_messages_sized_to_its_prompt_cap(short_lived):
-    with Client(short_lived.target, timeout=30) as client:
+    with Client(short_lived.target, timeout=30, retry=None) as client:
         with pytest.raises(TetherError) as info:          # bigger than admission's own message limit
             client.generate("x" * (settings.ADMISSION_MAX_MESSAGE_BYTES + 1))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -141,7 +141,7 @@ def test_admission_refuses_while_its_coordinator_is_down_and_serves_again_after(
     short_lived.kill("coordinator")
     try:
         def refusal():
-            with Client(short_lived.target, timeout=10) as client:
+            with Client(short_lived.target, timeout=10, retry=None) as client:
                 try:
                     client.generate("hello", max_tokens=2)
                 except TetherError as e:
@@ -149,11 +149,11 @@ def test_admission_refuses_while_its_coordinator_is_down_and_serves_again_after(
             raise AssertionError("admission answered with its coordinator dead")
         err = _until(refusal, what="admission to notice its coordinator is gone")
         assert err.code == grpc.StatusCode.UNAVAILABLE and "coordinator unreachable" in err.message
-        with Client(short_lived.target, timeout=30) as client:   # a dry run needs no coordinator
+        with Client(short_lived.target, timeout=30, retry=None) as client:   # a dry run needs no coordinator
             assert client.tag("不超过50字")["length_limit"] == 50
     finally:
         short_lived.restart("coordinator")
     short_lived.wait_ready(120)
-    with Client(short_lived.target, timeout=60) as client:
+    with Client(short_lived.target, timeout=60, retry=None) as client:
         got = client.generate("hello again", max_tokens=6)
     assert got.token_ids == reference.generate("hello again", "tiny", max_tokens=6).token_ids

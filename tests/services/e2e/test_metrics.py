@@ -83,7 +83,7 @@ def send(target: str) -> list:
         return stream.result
 
     async def run():
-        async with AsyncClient(target, timeout=120) as client:
+        async with AsyncClient(target, timeout=120, retry=None) as client:
             return await asyncio.gather(*(one(client, *case) for case in CASES))
     return asyncio.run(run())
 
@@ -166,7 +166,7 @@ def test_shed_requests_are_counted_by_reason(mcluster):
     before = scrape(url)[0]
 
     async def run():
-        async with AsyncClient(mcluster.target, timeout=30) as client:
+        async with AsyncClient(mcluster.target, timeout=30, retry=None) as client:
             with pytest.raises(InvalidArgument):
                 await client.generate("hello", max_tokens=4, temperature=99.0)   # over MAX_TEMPERATURE
     asyncio.run(run())

@@ -48,7 +48,7 @@ def _wait_drained(cluster: LocalCluster, timeout: float = 30.0) -> None:
 async def _one(target: str, prompt: str, max_tokens: int, mode: str, started: asyncio.Event,
                timeout: float) -> str:
     """Run one request; return how it ended: exact, cancelled or the status code's name."""
-    async with AsyncClient(target, timeout=timeout) as client:
+    async with AsyncClient(target, timeout=timeout, retry=None) as client:
         return await _run(client, prompt, max_tokens, mode, started)
 
 

@@ -45,7 +45,7 @@ def _stages(cluster: LocalCluster) -> list[stage_pb2.StageStats]:
 
 async def _generate(target: str, prompts: list[str], max_tokens: int, tenant: str = "",
                     concurrent: bool = True) -> list[list[int]]:
-    async with AsyncClient(target, timeout=300) as client:
+    async with AsyncClient(target, timeout=300, retry=None) as client:
         if concurrent:
             results = await asyncio.gather(*(client.generate(p, max_tokens=max_tokens, ignore_eos=True,
                                                              tenant=tenant) for p in prompts))
@@ -110,7 +110,7 @@ def test_three_times_the_pool_completes_exactly_through_preemption(small_pool):
 
 def test_a_request_that_can_never_fit_is_refused_with_resource_exhausted(small_pool):
     async def run() -> grpc.StatusCode:
-        async with AsyncClient(small_pool.target, timeout=60) as client:
+        async with AsyncClient(small_pool.target, timeout=60, retry=None) as client:
             try:
                 await client.generate("x " * 400, max_tokens=400, ignore_eos=True)
             except Exception as e:   # noqa: BLE001 - the status is what is asserted

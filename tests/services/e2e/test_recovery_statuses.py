@@ -40,7 +40,7 @@ def _coord_stats(cluster: LocalCluster) -> coordinator_pb2.StatsReply:
 
 
 def test_an_idle_pipeline_keeps_its_streams_through_forwarded_keepalives(hostile):
-    with Client(hostile.target, timeout=60) as client:
+    with Client(hostile.target, timeout=60, retry=None) as client:
         client.generate("wake up", max_tokens=2)
     before = _coord_stats(hostile).pipeline_reconnects
     end = time.monotonic() + 4 * IDLE_S
@@ -76,7 +76,7 @@ def _refusal(client: Client, prompt: str) -> TetherError:
 def test_the_rebuild_budget_ends_in_aborted_and_a_context_beyond_the_kv_pool_in_resource_exhausted(hostile):
     _restart_with(hostile, "stage1", "--faults", "corrupt=1,seed=3")
     _restart_with(hostile, "stage0", "--kv-capacity", "128")
-    with Client(hostile.target, timeout=120) as client:
+    with Client(hostile.target, timeout=120, retry=None) as client:
         e = _refusal(client, "short")
         assert e.code == grpc.StatusCode.ABORTED, e.message
         assert "could not be verified after 5 rebuilds" in e.message and "TOKEN_HASH_MISMATCH" in e.message

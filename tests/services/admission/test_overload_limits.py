@@ -87,6 +87,9 @@ def test_shed_by_priority_keeps_headroom_for_higher_priorities():
     assert shed_by_priority("standard", 90, cap) is not None
     assert shed_by_priority("critical", 99, cap) is None
     assert shed_by_priority("critical", 100, cap) is not None
+    # small caps: every priority may have at least one slot, standard the whole of a cap of 2
+    assert shed_by_priority("standard", 1, 2) is None and shed_by_priority("sheddable", 0, 2) is None
+    assert shed_by_priority("sheddable", 1, 2) is not None
 
 
 def test_shed_by_deadline():
