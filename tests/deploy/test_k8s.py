@@ -345,8 +345,7 @@ def test_tenants_file_is_admissions_and_mounted_where_it_reads_it(docs, tmp_path
     assert vol["configMap"]["name"] == "tether-config" and item["key"] == "tenants.toml"
     mounted = f"{mount['mountPath']}/{item['path']}"
     flags = _flags(_argv(docs, ADMISSION)[1:])
-    if "--tenants" in flags:   # admission's --tenants (issue 12): the file the ConfigMap mounts
-        assert flags["--tenants"] == mounted
+    assert flags.get("--tenants") == mounted, "admission must read the tenants file the ConfigMap mounts"
 
 
 def test_images(docs):
