@@ -255,9 +255,10 @@ class AdmissionMetrics:
                                "reason", ["finished_reason"], registry=registry)
         self.failures = Counter(PREFIX + "request_failures", "Admitted requests that ended with an error status, "
                                 "by gRPC code (CANCELLED: the client went away)", ["code"], registry=registry)
-        self.shed = Counter(PREFIX + "requests_shed", "Requests refused by admission before reaching the "
-                            "coordinator, by reason: overload (concurrency cap), not_ready, invalid, tag_timeout, "
-                            "duplicate_label, worker_died, internal", ["reason"], registry=registry)
+        self.shed = Counter(PREFIX + "requests_shed", "Requests refused by admission before reaching a "
+                            "coordinator, by reason: overload (concurrency cap), priority_<priority> (shed near the "
+                            "cap), tenant_limit, route_<code> (no pipeline can take it), not_ready, invalid, "
+                            "tag_timeout, duplicate_label, worker_died, internal", ["reason"], registry=registry)
         self.max_tenants = max_tenants
         self.tenants: set[str] = set()
         registry.register(_AdmissionGauges(in_flight, max_concurrent, ready))
