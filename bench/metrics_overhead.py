@@ -1,9 +1,10 @@
 """What Prometheus metrics cost: `tether bench` throughput with every service's /metrics on, divided by off.
 
 Two local clusters run side by side for the whole run, identical but for `--metrics-port` (LocalCluster
-metrics=True): while one takes the load the other idles. Each repeat sends the same `tether bench` level to
-both, alternating which goes first (off-on, on-off, ...), so drift on a shared machine hits both sides alike;
-the figure is the median over repeats of on ÷ off output-token throughput. While the metrics cluster is loaded,
+metrics=True). Each repeat sends the same `tether bench` level to both: by default at the same time
+(--together), so that whatever else loads a shared machine at that moment loads both sides alike; with
+--alternate one after the other, alternating which goes first, while the other idles. The figure is the median
+over repeats of on ÷ off output-token throughput. While the metrics cluster is loaded,
 a scraper reads all of its services' /metrics every --scrape-interval seconds (Prometheus in
 docker-compose.yml scrapes every 5 s; 1 s here is the pessimistic case), so the collectors' cost is in.
 
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=64, help="output tokens (default: %(default)s)")
     p.add_argument("--scrape-interval", type=float, default=1.0,
                    help="seconds between scrapes of every service of the metrics cluster (default: %(default)s)")
+    p.add_argument("--alternate", action="store_true",
+                   help="load one cluster at a time (alternating which first) instead of both at once")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
@@ -91,21 +94,27 @@ def main(argv: list[str] | None = None) -> None:
         on.start(timeout=300)
         for r in range(args.repeats):
             result = {}
-            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                cluster = on if side == "on" else off
-                scraper = Scraper([s.metrics_url for s in cluster.services], args.scrape_interval) \
-                    if side == "on" else None
-                if scraper:
-                    scraper.start()
-                try:
-                    result[side] = bench(cluster.target, args, logs / f"bench-{r}-{side}")
-                finally:
-                    if scraper:
-                        scraper.stop.set()
-                        scraper.join()
-                if scraper:
-                    assert scraper.scrapes and not scraper.failures, (scraper.scrapes, scraper.failures)
-                    result["scrapes"] = scraper.scrapes
+            scraper = Scraper([s.metrics_url for s in on.services], args.scrape_interval)
+            scraper.start()
+            try:
+                if args.alternate:
+                    for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                        cluster = on if side == "on" else off
+                        result[side] = bench(cluster.target, args, logs / f"bench-{r}-{side}")
+                else:
+                    threads = [threading.Thread(target=lambda side=side, c=c: result.__setitem__(
+                        side, bench(c.target, args, logs / f"bench-{r}-{side}"))) for side, c in (("off", off),
+                                                                                                 ("on", on))]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    assert set(result) == {"off", "on"}, "a bench run failed (its error is above)"
+            finally:
+                scraper.stop.set()
+                scraper.join()
+            assert scraper.scrapes and not scraper.failures, (scraper.scrapes, scraper.failures)
+            result["scrapes"] = scraper.scrapes
             ratio = result["on"]["output_token_throughput"] / result["off"]["output_token_throughput"]
             pairs.append(dict(off=result["off"]["output_token_throughput"], on=result["on"]["output_token_throughput"],
                               ratio=ratio, scrapes=result["scrapes"]))
