@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tether import settings
+
 # A decode token costs about this many prefill tokens of work: one engine step per output token (what a
 # step costs is mostly its fixed part on these models), against prompt tokens computed hundreds per step.
 DECODE_TOKEN_COST = 8.0
@@ -152,7 +154,7 @@ SCORERS: dict[str, Scorer] = {
 # Weights of the feature-aware policy. Prefix affinity is worth most while the target is not much busier
 # (a hit saves the prefill), capacity next: the paper's semantic-weight balancing.
 DEFAULT_WEIGHTS: dict[str, float] = {"capacity": 3.0, "prefix": 2.0, "queue": 1.0, "kv": 1.0, "role": 0.5}
-POLICIES = ("features", "least-loaded", "round-robin")
+POLICIES = settings.ROUTE_POLICIES
 
 
 @dataclass

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stages", type=_positive_int, default=2,
                    help="stage workers: with --spawn, how many to start (layers split evenly); against --target, "
                         "how many the running cluster has (recorded in the report) (default: %(default)s)")
+    g.add_argument("--pipelines", type=_positive_int, default=1,
+                   help="with --spawn: independent pipelines (stages + coordinator each) behind the one admission; "
+                        "the engine figures are read from the first pipeline (default: %(default)s)")
+    g.add_argument("--route-policy", choices=settings.ROUTE_POLICIES, default=None,
+                   help="with --spawn: admission's routing policy across pipelines (default: admission's, "
+                        f"{settings.ROUTE_POLICY})")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per stage: with --spawn, what each stage gets; against --target, what the "
                         "running stages have (default: cores divided among the stages, as `tether up` does)")
@@ -268,6 +274,8 @@ def cluster_extra(args: argparse.Namespace, prefix_cache: bool) -> dict[str, lis
         extra["stage"] = [STAGE_KV_FLAG, str(args.stage_kv_tokens)]
     if not prefix_cache:
         extra["coordinator"] = [NO_PREFIX_CACHE]
+    if args.route_policy:
+        extra["admission"] = ["--route-policy", args.route_policy]
     return extra
 
 
@@ -320,9 +328,11 @@ def probe_of(args: argparse.Namespace, cluster: LocalCluster | None) -> engine.E
 def start_cluster(args: argparse.Namespace, prefix_cache: bool, log_dir: Path) -> LocalCluster:
     threads = stage_threads(args)
     extra = cluster_extra(args, prefix_cache)
-    cluster = LocalCluster(model=args.model, stages=args.stages, threads=threads, log_dir=log_dir, extra=extra)
+    cluster = LocalCluster(model=args.model, stages=args.stages, pipelines=args.pipelines, threads=threads,
+                           log_dir=log_dir, extra=extra)
     flags = "; " + ", ".join(f"{k} {' '.join(v)}" for k, v in extra.items()) if extra else ""
-    print(f"starting a cluster: model {args.model}, {args.stages} stage(s), {threads} thread(s) each{flags} "
+    print(f"starting a cluster: model {args.model}, {args.pipelines} pipeline(s) of {args.stages} stage(s), "
+          f"{threads} thread(s) each{flags} "
           f"(logs in {log_dir}) ...", file=sys.stderr, flush=True)
     try:
         cluster.start(timeout=300)

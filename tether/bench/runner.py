@@ -31,7 +31,7 @@ def ratio(ours: list[float], theirs: list[float]) -> float | None:
 
 def stage_threads(args: argparse.Namespace) -> int:
     """Torch threads per stage process: --threads, else the cores divided among the stages (as `tether up`)."""
-    return args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+    return args.threads or max(1, (os.cpu_count() or 1) // (args.stages * getattr(args, "pipelines", 1)))
 
 
 def levels_of(args: argparse.Namespace) -> list[loadgen.Level]:

@@ -51,20 +51,32 @@ class Service:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def default_metrics_ports(stages: int) -> dict[str, int]:
+def pipeline_prefix(k: int) -> str:
+    """Service names of pipeline k: the first pipeline's are plain (stage0, coordinator), the others' are
+    prefixed (p1-stage0, p1-coordinator)."""
+    return f"p{k}-" if k else ""
+
+
+def default_metrics_ports(stages: int, pipelines: int = 1) -> dict[str, int]:
     """Service name -> its --metrics-port in `tether up --metrics`, docker-compose.yml and deploy/k8s."""
-    ports = {f"stage{i}": settings.STAGE_METRICS_BASE_PORT + i for i in range(stages)}
-    ports.update(coordinator=settings.COORDINATOR_METRICS_PORT, admission=settings.ADMISSION_METRICS_PORT)
+    ports = {f"{pipeline_prefix(k)}stage{i}": settings.STAGE_METRICS_BASE_PORT + k * stages + i
+             for k in range(pipelines) for i in range(stages)}
+    ports.update({f"{pipeline_prefix(k)}coordinator": settings.COORDINATOR_METRICS_PORT + k for k in range(pipelines)})
+    ports.update(admission=settings.ADMISSION_METRICS_PORT)
     return ports
 
 
 def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission_port: int = settings.ADMISSION_PORT,
                      coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
                      threads: int = 0, extra: dict[str, list[str]] | None = None,
-                     metrics_ports: dict[str, int] | None = None) -> list[Service]:
-    """The commands of a cluster, in start order (stages, coordinator, admission). `metrics_ports` (service
-    name -> port, e.g. default_metrics_ports()) turns on every service's /metrics; None leaves them off."""
-    stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages)]
+                     metrics_ports: dict[str, int] | None = None, pipelines: int = 1,
+                     coordinator_ports: list[int] | None = None) -> list[Service]:
+    """The commands of a cluster, in start order (each pipeline's stages and coordinator, then admission).
+    Pipeline k's stage i listens on stage_ports[k * stages + i] and its coordinator on coordinator_port + k
+    (or coordinator_ports[k]). `metrics_ports` (service name -> port, e.g. default_metrics_ports()) turns on
+    every service's /metrics; None leaves them off."""
+    stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages * pipelines)]
+    coordinator_ports = coordinator_ports or [coordinator_port + k for k in range(pipelines)]
     extra = extra or {}
     py = [sys.executable, "-m"]
     services = []
@@ -77,17 +89,22 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
         svc.argv += extra.get(role, [])
         services.append(svc)
 
-    for i in range(stages):
-        argv = py + ["services.stage_worker", "--host", host, "--port", str(stage_ports[i]), "--model", model,
-                     "--layers", f"{i}/{stages}"]
-        if threads:
-            argv += ["--threads", str(threads)]
-        add(f"stage{i}", argv, stage_ports[i], "stage")
-    route = ",".join(s.address for s in services)
-    add("coordinator", py + ["services.coordinator", "--host", host, "--port", str(coordinator_port), "--model",
-                             model, "--stages", route], coordinator_port, "coordinator")
+    for k in range(pipelines):
+        first = len(services)
+        for i in range(stages):
+            port = stage_ports[k * stages + i]
+            argv = py + ["services.stage_worker", "--host", host, "--port", str(port), "--model", model,
+                         "--layers", f"{i}/{stages}"]
+            if threads:
+                argv += ["--threads", str(threads)]
+            add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage")
+        route = ",".join(s.address for s in services[first:])
+        add(f"{pipeline_prefix(k)}coordinator", py + ["services.coordinator", "--host", host, "--port",
+                                                      str(coordinator_ports[k]), "--model", model, "--stages", route],
+            coordinator_ports[k], "coordinator")
+    coordinators = ",".join(f"{host}:{p}" for p in coordinator_ports)
     add("admission", py + ["services.admission", "--host", host, "--port", str(admission_port), "--model", model,
-                           "--coordinator", f"{host}:{coordinator_port}"], admission_port, "admission")
+                           "--coordinator", coordinators], admission_port, "admission")
     return services
 
 
@@ -95,6 +112,7 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
 class LocalCluster:
     model: str = settings.DEFAULT_MODEL
     stages: int = 2
+    pipelines: int = 1               # independent pipelines (stages + coordinator each) behind one admission
     host: str = "127.0.0.1"
     admission_port: int = 0          # 0: pick free ports for every service (tests); `tether up` passes ports
     coordinator_port: int = settings.COORDINATOR_PORT
@@ -118,18 +136,19 @@ class LocalCluster:
         num_layers = ModelConfig.from_folder(folder).num_hidden_layers
         even_split(num_layers, self.stages)     # fail early with a clear message
         free = self.admission_port == 0
-        ports = [free_port(self.host) for _ in range(self.stages + 2)] if free else None
+        n, stages = self.pipelines, self.stages
+        ports = [free_port(self.host) for _ in range(1 + n + n * stages)] if free else None
         metrics_ports = None
         if self.metrics:
-            metrics_ports = default_metrics_ports(self.stages)
+            metrics_ports = default_metrics_ports(stages, n)
             if free:
                 metrics_ports = {name: free_port(self.host) for name in metrics_ports}
         self.services = service_commands(
-            self.model, self.stages, self.host,
+            self.model, stages, self.host,
             admission_port=ports[0] if free else self.admission_port,
-            coordinator_port=ports[1] if free else self.coordinator_port,
-            stage_ports=ports[2:] if free else [self.stage_port + i for i in range(self.stages)],
-            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports)
+            coordinator_port=self.coordinator_port, coordinator_ports=ports[1:1 + n] if free else None,
+            stage_ports=ports[1 + n:] if free else [self.stage_port + i for i in range(n * stages)],
+            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports, pipelines=n)
         for svc in self.services:
             self.spawn(svc)
         self.wait_ready(timeout)

@@ -56,16 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (the default: SmolLM2-135M-Instruct, a real instruct model, fetched and converted once), a "
                         "random-weight preset for tests and kernel benchmarks (tiny, small, base) or a Hugging Face "
                         "folder with config.json, *.safetensors and tokenizer.json (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=2, help="stage workers; layers are split evenly (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=2,
+                   help="stage workers per pipeline; layers are split evenly (default: %(default)s)")
+    p.add_argument("--pipelines", type=int, default=1,
+                   help="independent pipelines (their own stages and coordinator each) behind the one admission, "
+                        "which routes every request to one of them (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
                    help="admission (public) port (default: %(default)s)")
     p.add_argument("--coordinator-port", type=int, default=settings.COORDINATOR_PORT,
-                   help="coordinator port (default: %(default)s)")
+                   help="coordinator port; pipeline k's coordinator listens on this + k (default: %(default)s)")
     p.add_argument("--stage-port", type=int, default=settings.STAGE_BASE_PORT,
-                   help="port of stage 0; stage i listens on this + i (default: %(default)s)")
+                   help="port of stage 0; stage i of pipeline k listens on this + k * stages + i (default: "
+                        "%(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per stage (default: the machine's cores divided among the stages)")
+                   help="torch threads per stage (default: the machine's cores divided among all stages)")
     p.add_argument("--demo", action="store_true", help="once up, send a few prompts and print the answers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to come up")
     p.add_argument("--max-restarts", type=int, default=settings.SUPERVISE_MAX_RESTARTS, metavar="N",
@@ -132,20 +137,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if args.pipelines < 1 or args.stages < 1:
+        parser.error("--pipelines and --stages must be >= 1")
     policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
-    cluster = LocalCluster(model=args.model, stages=args.stages, host=args.host, admission_port=args.port,
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.stages * args.pipelines))
+    cluster = LocalCluster(model=args.model, stages=args.stages, pipelines=args.pipelines, host=args.host,
+                           admission_port=args.port,
                            coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
                            log_dir=args.log_dir, metrics=args.metrics, extra=log_format_extra(args.log_format))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting tether: model {args.model}, {args.stages} stage(s), {threads} thread(s) each ...", flush=True)
+    print(f"starting tether: model {args.model}, {args.pipelines} pipeline(s) of {args.stages} stage(s), "
+          f"{threads} thread(s) each ...", flush=True)
     try:
         cluster.start(timeout=args.timeout)
         for svc in cluster.services:
             metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
-            print(f"  {svc.name:<12} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
+            print(f"  {svc.name:<15} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
         if args.demo:
