@@ -107,3 +107,21 @@ def test_failures_open_the_breaker_and_traffic_moves():
     r = p.choose(RouteRequest(32, 16), None)
     p.finished(r, grpc.StatusCode.CANCELLED)
     assert good.breaker.failures == 0
+
+
+def test_pipelines_collector_shows_each_pipeline_and_its_breaker():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.admission.pipeline_metrics import PipelinesCollector
+
+    p = make(2)
+    a, b = p.links.values()
+    a.report(report())
+    b.down("coordinator unreachable")
+    registry = CollectorRegistry()
+    registry.register(PipelinesCollector(p))
+    text = generate_latest(registry).decode()
+    assert f'tether:pipeline_up{{pipeline="{a.address}"}} 1.0' in text
+    assert f'tether:pipeline_up{{pipeline="{b.address}"}} 0.0' in text
+    assert f'tether:pipeline_breaker_state{{pipeline="{b.address}",state="open"}} 1.0' in text
+    assert f'tether:pipeline_breaker_opens_total{{pipeline="{b.address}"}} 1.0' in text
