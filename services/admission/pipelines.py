@@ -227,7 +227,7 @@ class Refused(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-async def follow_readiness(pipelines: Pipelines, on_change: Callable[[bool, str], Awaitable[None]]) -> None:
+async def watch_readiness(pipelines: Pipelines, on_change: Callable[[bool, str], Awaitable[None]]) -> None:
     """Call `on_change` with admission's readiness whenever a pipeline's routability changes (supervised)."""
     last: tuple[bool, str] | None = None
     while True:

@@ -28,7 +28,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from services.admission.front_work import FrontWork, admit
 from services.admission.limits import Refusal, TenantLimits, shed_by_priority
-from services.admission.pipelines import Pipelines, Refused, Routed, follow_readiness as follow_pipelines, routing_key
+from services.admission.pipelines import Pipelines, Refused, Routed, routing_key, watch_readiness
 from services.admission.routing import RouteRequest
 from services.admission.tagger import Tags
 from services.admission.validate import ModelLimits, ValidRequest
@@ -461,4 +461,4 @@ async def follow_readiness(server: Server, servicer: AdmissionServicer) -> None:
         log.log(logging.INFO if ready else logging.WARNING, "admission %s (%s)",
                 "SERVING" if ready else "NOT_SERVING", why)
 
-    await follow_pipelines(servicer.pipelines, changed)
+    await watch_readiness(servicer.pipelines, changed)

@@ -166,8 +166,8 @@ def _collect(cluster: LocalCluster, stages: int, log_dir: Path, run: tuple) -> O
 
 
 def _cluster(tmp_path, stages: int, stage_faults: str = "", coordinator_faults: str = "",
-             unsafe: bool = False) -> LocalCluster:
-    extra = {"coordinator": ["--frame-timeout", "3", "--max-rebuilds", "8"], "stage": []}
+             unsafe: bool = False, max_rebuilds: int = 8) -> LocalCluster:
+    extra = {"coordinator": ["--frame-timeout", "3", "--max-rebuilds", str(max_rebuilds)], "stage": []}
     if stage_faults:
         extra["stage"] += ["--faults", stage_faults]
     if coordinator_faults:
@@ -178,9 +178,9 @@ def _cluster(tmp_path, stages: int, stage_faults: str = "", coordinator_faults: 
     return LocalCluster(model="tiny", stages=stages, threads=1, log_dir=tmp_path, extra=extra)
 
 
-def _chaos(tmp_path, stages: int, **faults) -> Outcome:
-    """Start a cluster with these faults, send CASES, read Stats and the ledger, stop it."""
-    cluster = _cluster(tmp_path, stages, **faults).start(timeout=180)
+def _chaos(tmp_path, stages: int, **options) -> Outcome:
+    """Start a cluster with these faults (and options), send CASES, read Stats and the ledger, stop it."""
+    cluster = _cluster(tmp_path, stages, **options).start(timeout=180)
     try:
         return _collect(cluster, stages, tmp_path, _run(cluster.target))
     finally:
@@ -237,8 +237,11 @@ def test_each_stage_fault_kind_is_caught_and_never_delivers_a_wrong_token(tmp_pa
 
 
 def test_coordinator_side_faults(tmp_path):
+    # 30% of frames faulted: the 30-token requests meet ~9 faulted frames, so at the default budget (8) whether 3 or
+    # 4 of the 12 exhaust it depends on the machine's timing (how requests share frames), and exact read 8-12
+    # over runs. This test is about detection and recovery; exhausting the budget is test_recovery_statuses'.
     o = _chaos(tmp_path, 2, coordinator_faults="drop=0.05,duplicate=0.05,reorder=0.05,corrupt=0.05,"
-                                               "cross_ids=0.05,swap_slots=0.05,seed=5")
+                                               "cross_ids=0.05,swap_slots=0.05,seed=5", max_rebuilds=16)
     print("coordinator side", o.summary())
     assert o.wrong == 0, o.summary()
     assert o.exact >= 9, o.summary()
