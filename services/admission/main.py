@@ -17,7 +17,7 @@ from services.admission.validate import ModelLimits
 from tether import settings, supervise, telemetry
 from tether.procutil import follow_parent
 from tether.grpcutil import Server
-from tether.telemetry import logs, metrics
+from tether.telemetry import logs, metrics, tracing
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     follow_parent()
     logs.configure("admission", args.log_level, args.log_format)
+    tracing.configure("admission", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     try:
         asyncio.run(serve(args))
     except OSError as e:   # e.g. a --port or --metrics-port in use

@@ -35,7 +35,7 @@ from services.admission.validate import ModelLimits, ValidRequest
 from tether import settings
 from tether.grpcutil import Server
 from tether.protocol.hashing import messages_digest, prompt_digest
-from tether.telemetry import logs
+from tether.telemetry import logs, tracing
 from tether.telemetry.metrics import AdmissionMetrics
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -118,38 +118,57 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
         arrived = time.perf_counter()
-        await self._check_ready(context)
-        await self._acquire(context)
-        a: Admitted | None = None
+        rt = RequestTrace("Generate", context) if tracing.TRACER is not None else None
         try:
-            a = await self._admit(request, context)
-            routed = await self._route(a, context)
+            await self._check_ready(context)
+            await self._acquire(context)
+        except BaseException as e:
+            if rt is not None:
+                rt.end(context, e)
+            raise
+        a: Admitted | None = None
+        error: BaseException | None = None
+        try:
+            a = await self._admit(request, context, rt=rt)
+            routed = await self._route(a, context, rt)
             response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags, routed), seed=a.valid.sampling.seed)
             text: list[str] = []
-            async with aclosing(self._generate(request, a, routed, context, arrived)) as events:
+            async with aclosing(self._generate(request, a, routed, context, arrived, rt)) as events:
                 async for event, receipt in events:
                     response.token_ids.append(event.token_id)
                     text.append(event.text)
                     if receipt is not None:
                         response.finish_reason = event.finish_reason
                         response.receipt.CopyFrom(receipt)
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self._done(a)
+            if rt is not None:
+                rt.end(context, error)
         response.text = "".join(text)
         return response
 
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
         arrived = time.perf_counter()
-        await self._check_ready(context)
-        await self._acquire(context)
-        a: Admitted | None = None
+        rt = RequestTrace("GenerateStream", context) if tracing.TRACER is not None else None
         try:
-            a = await self._admit(request, context)
-            routed = await self._route(a, context)
+            await self._check_ready(context)
+            await self._acquire(context)
+        except BaseException as e:
+            if rt is not None:
+                rt.end(context, e)
+            raise
+        a: Admitted | None = None
+        error: BaseException | None = None
+        try:
+            a = await self._admit(request, context, rt=rt)
+            routed = await self._route(a, context, rt)
             # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
             # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
-            async with aclosing(self._generate(request, a, routed, context, arrived)) as events:
+            async with aclosing(self._generate(request, a, routed, context, arrived, rt)) as events:
                 async for event, receipt in events:
                     chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
                                                         text=event.text, finish_reason=event.finish_reason)
@@ -160,8 +179,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                     if receipt is not None:
                         chunk.receipt.CopyFrom(receipt)
                     yield chunk
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self._done(a)
+            if rt is not None:
+                rt.end(context, error)
 
     async def Tag(self, request: admission_pb2.TagRequest,
                   context: grpc.aio.ServicerContext) -> admission_pb2.TagResponse:
@@ -184,8 +208,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
 
     async def _admit(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                     take_label: bool = True) -> Admitted:
+                     take_label: bool = True, rt: "RequestTrace | None" = None) -> Admitted:
         """Tokenize, validate and tag; mint the internal id; take the caller's label (released by `_done`)."""
+        started = time.time_ns() if rt is not None else 0
         try:
             if self.work is None or self.work.is_inline(request):
                 valid, tags = admit(request, self.model)   # small: cheaper now than shipped (< 1 ms)
@@ -208,6 +233,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             self._shed("internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"admission failed to process the request: {e!r}")
         a = Admitted(uuid.uuid4().hex, valid, tags)
+        if rt is not None:
+            rt.admitted(a, self.model_fingerprint, request, started)
         if take_label and valid.request_id:
             key = (valid.tenant, valid.request_id)
             if key in self.labels:
@@ -236,8 +263,21 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         details = retry_status_details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, settings.OVERLOAD_RETRY_AFTER_S)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, ((STATUS_DETAILS_KEY, details),))
 
-    async def _route(self, a: Admitted, context: grpc.aio.ServicerContext) -> Routed:
+    async def _route(self, a: Admitted, context: grpc.aio.ServicerContext,
+                     rt: "RequestTrace | None" = None) -> Routed:
         """The tenant's limits, shedding by priority, then a pipeline: or a refusal with RetryInfo."""
+        if rt is None:
+            return await self._choose(a, context)
+        started = time.time_ns()
+        try:
+            routed = await self._choose(a, context)
+        except BaseException as e:
+            rt.routed(None, started, context, e)
+            raise
+        rt.routed(routed, started)
+        return routed
+
+    async def _choose(self, a: Admitted, context: grpc.aio.ServicerContext) -> Routed:
         valid, tags = a.valid, a.tags
         refusal: Refusal | None = shed_by_priority(tags.priority, self.limit.active - 1, self.limit.limit)
         if refusal is not None:
@@ -268,7 +308,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             self.metrics.shed.labels(reason).inc()
 
     async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed,
-                        context: grpc.aio.ServicerContext, arrived: float,
+                        context: grpc.aio.ServicerContext, arrived: float, rt: "RequestTrace | None" = None,
                         ) -> AsyncIterator[tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]]:
         """Yield the coordinator's events in order, the last one with its receipt; abort on any error.
         `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there)."""
@@ -285,6 +325,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                                                sampling=sampling, tenant=valid.tenant, priority=valid.priority,
                                                label=valid.request_id,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining)
+        if rt is not None:
+            submit.traceparent = rt.traceparent   # the coordinator's span of the request is a child of ours
         target = routed.link.address
         events = routed.link.session.start(submit)
         timer = self.metrics.start(valid.tenant, len(valid.prompt_token_ids), arrived) if self.metrics else None
@@ -319,6 +361,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                     yield event, None
                     continue
                 ended = finished = True
+                if rt is not None:
+                    rt.finished(count, FINISH_REASONS.get(event.finish_reason, "unknown"))
                 if timer is not None:
                     timer.finished(FINISH_REASONS.get(event.finish_reason, "unknown"), time.perf_counter())
                 yield event, common_pb2.Receipt(
@@ -332,11 +376,90 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             self.pipelines.finished(routed, None if finished else failure[0] if failure else grpc.StatusCode.CANCELLED)
             if timer is not None and not finished:
                 timer.failed(failure[0].name if failure else "CANCELLED")
+            if rt is not None and not finished:
+                rt.usage(count)
             # One line per request at DEBUG (free at INFO): with --log-format json, an access log keyed by id.
             log.debug("request %s ended: %s after %d token(s)", rid,
                       "finished" if finished else failure[0].name if failure else "CANCELLED", count)
         log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
         await context.abort(*failure)
+
+
+class RequestTrace:
+    """Admission's span of one request (built only while tracing is on): a SERVER span, child of the caller's
+    `traceparent` metadata if any, with children for validate+tag and route; its traceparent goes to the
+    coordinator in the SubmitRequest. Attributes: GenAI semantic conventions (gen_ai.*) and the intent tags
+    and routing decision as tether.*. Every log line of the handler's task carries its trace id."""
+
+    def __init__(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        caller = tracing.metadata_traceparent(context.invocation_metadata())
+        self.span = tracing.start(f"admission {method}", tracing.parent(caller), tracing.SpanKind.SERVER,
+                                  {"rpc.system": "grpc", "rpc.service": "tether.v1.Admission", "rpc.method": method})
+        # Propagate only a recording span's context: an unsampled request costs the stages nothing.
+        self.traceparent = tracing.traceparent(self.span) if self.span.is_recording() else ""
+        logs.TRACE_ID.set(tracing.trace_id(self.span) if self.traceparent else None)   # this task's lines
+
+    def _child(self, name: str, started_ns: int, attributes: dict) -> tracing.Span:
+        return tracing.TRACER.start_span(name, context=tracing.child_of(self.span), attributes=attributes,
+                                         start_time=started_ns)
+
+    def admitted(self, a: Admitted, model: str, request: admission_pb2.GenerateRequest, started_ns: int) -> None:
+        valid, tags = a.valid, a.tags
+        attributes = {f"tether.{k}": v for k, v in dataclasses.asdict(tags).items()}
+        attributes["tether.prefix_key"] = f"{tags.prefix_key:016x}"   # a uint64: not an OTel int64 attribute
+        attributes.update({
+            "gen_ai.operation.name": "chat" if request.messages else "text_completion",
+            "gen_ai.system": "tether",
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": tags.output_budget,
+            "gen_ai.request.temperature": valid.sampling.temperature,
+            "gen_ai.usage.input_tokens": len(valid.prompt_token_ids),
+            "tether.request_id": a.internal_id,
+        })
+        if valid.sampling.top_p:
+            attributes["gen_ai.request.top_p"] = valid.sampling.top_p
+        if 0 < valid.sampling.seed < 2**63:   # OTel ints are int64; the seed is a uint64
+            attributes["gen_ai.request.seed"] = valid.sampling.seed
+        if valid.request_id:
+            attributes["tether.label"] = valid.request_id
+        self.span.set_attributes(attributes)
+        self._child("admission validate+tag", started_ns,
+                    {"tether.input_tokens": tags.input_tokens, "tether.language": tags.language,
+                     "tether.task": tags.task, "tether.size_class": tags.size_class}).end()
+
+    def routed(self, routed: Routed | None, started_ns: int, context: grpc.aio.ServicerContext | None = None,
+               error: BaseException | None = None) -> None:
+        attributes = {}
+        if routed is not None:
+            attributes = {"tether.pipeline": routed.link.address, "tether.route_reason": routed.reason}
+            self.span.set_attributes(attributes)
+        span = self._child("admission route", started_ns, attributes)
+        if error is not None:
+            _fail_span(span, context, error)
+        span.end()
+
+    def finished(self, output_tokens: int, finish_reason: str) -> None:
+        self.span.set_attributes({"gen_ai.usage.output_tokens": output_tokens,
+                                  "gen_ai.response.finish_reasons": [finish_reason]})
+
+    def usage(self, output_tokens: int) -> None:
+        self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+
+    def end(self, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
+        if error is not None:
+            _fail_span(self.span, context, error)
+        self.span.end()
+
+
+def _fail_span(span: tracing.Span, context: grpc.aio.ServicerContext | None, error: BaseException) -> None:
+    """A span ended by an abort (its status code and details from the context), a cancellation or a bug."""
+    code = context.code() if context is not None else None
+    if isinstance(code, grpc.StatusCode):
+        tracing.fail(span, code.name, context.details() or "")
+    elif isinstance(error, asyncio.CancelledError):
+        tracing.fail(span, "CANCELLED", "the call was cancelled (client gone or deadline)")
+    else:
+        tracing.fail(span, type(error).__name__, str(error))
 
 
 STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}

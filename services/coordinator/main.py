@@ -14,7 +14,7 @@ from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
-from tether.telemetry import logs, metrics
+from tether.telemetry import logs, metrics, tracing
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     follow_parent()
     logs.configure("coordinator", args.log_level, args.log_format)
+    tracing.configure("coordinator", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     args.fault_config = experiment_config(parser, args, log)
     try:
         asyncio.run(serve(args))

@@ -15,7 +15,7 @@ from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
-from tether.telemetry import logs, metrics
+from tether.telemetry import logs, metrics, tracing
 
 log = logging.getLogger("stage")
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-streams, --max-streams-per-peer, --max-frame-rows and --max-frame-slots must be >= 1 "
                      "and --stream-idle > 0")
     logs.configure("stage", args.log_level, args.log_format)
+    tracing.configure("stage", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     args.fault_config = experiment_config(parser, args, log)
     if args.threads:
         torch.set_num_threads(args.threads)

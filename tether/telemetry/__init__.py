@@ -1,7 +1,7 @@
 """Telemetry shared by every service: Prometheus metrics (metrics.py) and structured logs (logs.py).
 
-Tracing (OpenTelemetry over OTLP, issue 13 part 1) belongs here too, as tracing.py, when it lands: the services
-call one setup function per concern from their main.py, so none of this leaks into the serving code paths.
+and OpenTelemetry traces over OTLP (tracing.py). The services call one setup function per concern from their
+main.py; on the serving paths tracing is one `tracing.TRACER is not None` check while it is off.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from tether import settings
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """--metrics-port and --log-format, the same on every service."""
+    """--metrics-port, --log-format and --otlp-endpoint, the same on every service."""
+    from tether.telemetry import tracing
     parser.add_argument("--metrics-port", type=int, default=settings.METRICS_PORT, metavar="PORT",
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: --host); 0 turns them "
                              "off (default: %(default)s; `tether up --metrics`, docker-compose.yml and deploy/k8s "
@@ -21,4 +22,5 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default=settings.LOG_FORMAT, choices=settings.LOG_FORMATS,
                         help="text: one readable line per record; json: one JSON object per line with ts, level, "
                              "service, logger, message and, on lines about a request, request_id "
-                             "(default: %(default)s)")
+                             "and, when the request is traced, trace_id (default: %(default)s)")
+    tracing.add_flags(parser)
