@@ -32,7 +32,8 @@ from services.coordinator.scheduler import Request, Scheduler
 from tether import settings
 from tether.engine.sequence import TokenOut
 from tether.protocol.hashing import token_hash
-from tether.v1 import stage_pb2
+from tether.telemetry import tracing
+from tether.v1 import common_pb2, stage_pb2
 
 log = logging.getLogger(__name__)
 R = stage_pb2.RejectReason
@@ -70,6 +71,70 @@ class Counters:
     rejections: Counter = field(default_factory=Counter)   # reason name -> slots
 
 
+def finish_reason_name(reason: int) -> str:
+    """FINISH_REASON_STOP -> "stop" (gen_ai.response.finish_reasons, as admission's metrics name them)."""
+    try:
+        return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    except ValueError:
+        return f"unknown_{reason}"
+
+
+class RequestSpans:
+    """The coordinator's spans of one traced request (only while tracing is on): `coordinator request`, child
+    of admission's span, and under it one phase span at a time, `coordinator queue` (submitted until its first
+    frame), `coordinator prefill` (first frame until its first token; an event per prefill chunk) and
+    `coordinator decode` (first token to the end). Rebuilds, resumes, resyncs, prefix misses and preemptions
+    are events of the request span with their reason; per-token work adds nothing. Its traceparent travels in
+    every slot of the request, so each stage's span of it is its child."""
+
+    __slots__ = ("span", "phase", "phase_name", "traceparent", "trace_id", "outcome")
+
+    def __init__(self, req: Request, parent: str, label: str) -> None:
+        attributes = {"tether.request_id": req.id, "tether.tenant": req.tenant, "tether.priority": req.priority,
+                      "gen_ai.request.max_tokens": req.seq.sampling.max_tokens,
+                      "gen_ai.request.temperature": req.seq.sampling.temperature,
+                      "gen_ai.usage.input_tokens": len(req.seq.all_ids)}
+        if label:
+            attributes["tether.label"] = label
+        self.span = tracing.start("coordinator request", tracing.parent(parent), tracing.SpanKind.SERVER, attributes)
+        recording = self.span.is_recording()
+        self.traceparent = tracing.traceparent(self.span) if recording else ""   # "" : the stages do nothing
+        self.trace_id = tracing.trace_id(self.span) if recording else None
+        self.phase_name = "queue"
+        self.phase = tracing.start("coordinator queue", tracing.child_of(self.span))
+        self.outcome: str | None = None   # the finish reason, once the last token is appended
+
+    def next_phase(self, name: str, attributes: dict | None = None) -> None:
+        self.phase.end()
+        self.phase_name = name
+        self.phase = tracing.start(f"coordinator {name}", tracing.child_of(self.span), attributes=attributes)
+
+    def sent(self, req: Request, stamp: stage_pb2.Stamp) -> None:
+        """A frame of the request is about to be sent (not for decode steps: those are per token)."""
+        if self.phase_name == "queue":
+            self.next_phase("prefill")
+        if self.phase_name == "prefill":
+            self.phase.add_event("prefill chunk", {"tether.position": stamp.position,
+                                                   "tether.tokens": len(stamp.token_ids),
+                                                   "tether.cached_prefix": req.cached, "tether.epoch": req.epoch})
+
+    def event(self, name: str, reason: str, detail: str, req: Request) -> None:
+        self.span.add_event(name, {"tether.reason": reason, "tether.detail": detail, "tether.epoch": req.epoch,
+                                   "tether.recoveries": req.recoveries})
+
+    def end(self, req: Request, failure: "Failure | None") -> None:
+        self.phase.end()
+        self.span.set_attributes({"gen_ai.usage.output_tokens": len(req.seq.output_ids),
+                                  "tether.rebuilds": req.retries, "tether.resumes": req.resumes})
+        if self.outcome is not None:
+            self.span.set_attribute("gen_ai.response.finish_reasons", [self.outcome])
+        elif failure is not None:
+            tracing.fail(self.span, failure.code.name, failure.message)
+        else:
+            self.span.set_attribute("tether.cancelled", True)
+        self.span.end()
+
+
 class Engine:
     def __init__(self, pipeline: Pipeline, max_slots: int = settings.MAX_BATCH_SLOTS,
                  max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
@@ -98,15 +163,25 @@ class Engine:
         self.counters = Counters()
         self._background: set[asyncio.Task] = set()
         self.on_batch: Callable[[list[Request]], None] = lambda batch: None   # telemetry hook: a frame's requests
+        # Traced requests only (tracing on and sampled): empty otherwise, and every tracing path of the loop
+        # starts with `if self.traces:`, so with tracing off nothing else runs.
+        self.traces: dict[str, RequestSpans] = {}
 
     # --- requests ---------------------------------------------------------------------------------------
-    def submit(self, req: Request) -> asyncio.Queue:
+    def submit(self, req: Request, traceparent: str = "", label: str = "") -> asyncio.Queue:
+        """Start a request; `traceparent` (admission's span of it) parents its spans when tracing is on."""
         if not self.serving:
             raise PipelineDown(f"pipeline not serving: {self.status}")
         if req.id in self.sinks or req.id in self.sched.running:
             raise DuplicateRequest(f"request id {req.id} is already in flight")
         q: asyncio.Queue = asyncio.Queue()
         self.sinks[req.id] = q
+        if tracing.TRACER is not None:
+            spans = RequestSpans(req, traceparent, label)
+            if spans.traceparent:
+                self.traces[req.id] = spans
+            else:            # not sampled: close the non-recording spans now, nothing else follows them
+                spans.end(req, None)
         self.sched.add(req)
         self.wake.set()
         return q
@@ -129,6 +204,10 @@ class Engine:
     def _finish(self, req: Request, failure: Failure | None) -> None:
         started = req.id in self.sched.running
         self.sched.remove(req)
+        if self.traces:
+            spans = self.traces.pop(req.id, None)
+            if spans is not None:
+                spans.end(req, failure)
         q = self.sinks.pop(req.id, None)
         if failure is not None:
             self.counters.failed += 1
@@ -274,6 +353,8 @@ class Engine:
                 self._after_schedule()
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
                                         hash_seed=r.seq.hash_seed, cached_prefix=r.cached) for r in batch]
+                if self.traces:
+                    self._trace_frame(batch, slots)
                 self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
                 self.on_batch(batch)
                 await self.pipeline.send(slots)
@@ -282,12 +363,36 @@ class Engine:
                 ids, self.to_release = self.to_release, []
                 self._spawn(self._release(ids))
 
+    def _trace_frame(self, batch: list[Request], slots: list[stage_pb2.Slot]) -> None:
+        """Tracing on: each traced request's slot carries its span's traceparent (for the stages) and its
+        prefill chunks are events; decode frames add nothing here."""
+        for req, slot in zip(batch, slots):
+            spans = self.traces.get(req.id)
+            if spans is not None:
+                slot.traceparent = spans.traceparent
+                if spans.phase_name != "decode":
+                    spans.sent(req, slot.stamp)
+
+    def _trace_event(self, req: Request, name: str, reason: str, detail: str) -> None:
+        spans = self.traces.get(req.id)
+        if spans is not None:
+            spans.event(name, reason, detail, req)
+
+    def _log_extra(self, req: Request) -> dict | None:
+        """The JSON logs' trace_id of a line about a traced request (engine lines are logged outside its task)."""
+        spans = self.traces.get(req.id) if self.traces else None
+        return {"trace_id": spans.trace_id} if spans is not None else None
+
     def _after_schedule(self) -> None:
         """What scheduling decided besides the batch: Releases for the preempted, failures for the requests
         no stage could ever hold."""
         s = self.sched
         for req in s.preempted:
-            log.info("request %s preempted: KV blocks are needed by an older or higher-priority request", req.id)
+            log.info("request %s preempted: KV blocks are needed by an older or higher-priority request", req.id,
+                     extra=self._log_extra(req))
+            if self.traces:
+                self._trace_event(req, "preempted", "KV_BLOCKS", "KV blocks are needed by an older or "
+                                                                 "higher-priority request; recomputed later")
             self.to_release.append(req.id)     # its blocks are already `releasing` in the ledger
         s.preempted.clear()
         for req in s.impossible:
@@ -362,6 +467,13 @@ class Engine:
             q = self.sinks.get(req.id)
             if q is not None:
                 q.put_nowait(out)
+            if self.traces:
+                spans = self.traces.get(req.id)
+                if spans is not None:
+                    if spans.phase_name != "decode":   # the first token (or the first after a rebuild)
+                        spans.next_phase("decode")
+                    if out.finish_reason:
+                        spans.outcome = finish_reason_name(out.finish_reason)
             if out.finish_reason:
                 self.counters.finished += 1
                 if req.recoveries:
@@ -374,7 +486,9 @@ class Engine:
         evidently out of step with the stages'."""
         self.counters.rejections["PREFIX_MISS"] += 1
         self.counters.prefix_misses += 1
-        log.info("request %s: PREFIX_MISS (%s); replaying it cold", req.id, detail)
+        log.info("request %s: PREFIX_MISS (%s); replaying it cold", req.id, detail, extra=self._log_extra(req))
+        if self.traces:
+            self._trace_event(req, "prefix miss", "PREFIX_MISS", detail)
         self.sched.ledger.rebuild(req.id)
         self.sched.ledger.forget_cache()
         req.rebuild(charge=False)
@@ -382,7 +496,9 @@ class Engine:
     def _rebuild(self, req: Request, reason: str, detail: str) -> None:
         """Replay the request's whole context under a new epoch, within its budget; else fail it explicitly."""
         self.counters.rejections[reason] += 1
-        log.info("request %s: %s (%s)", req.id, reason, detail)
+        log.info("request %s: %s (%s)", req.id, reason, detail, extra=self._log_extra(req))
+        if self.traces:
+            self._trace_event(req, "rejection", reason, detail)
         req.in_flight = False
         if req.recoveries >= self.max_rebuilds:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "NO_CAPACITY" else grpc.StatusCode.ABORTED
@@ -392,6 +508,8 @@ class Engine:
         self.counters.rebuilds += 1
         self.sched.ledger.rebuild(req.id)
         req.rebuild()   # tokens already sent stay as they are: they are replayed as context
+        if self.traces:
+            self._trace_event(req, "rebuild", reason, detail)   # after req.rebuild(): the new epoch
 
     async def _resync(self, reqs: list[Request]) -> None:
         """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
@@ -402,6 +520,10 @@ class Engine:
         if not reqs:
             self.wake.set()
             return
+        if self.traces:
+            for r in reqs:
+                self._trace_event(r, "resync", "FRAME_LOST" if self.down_since is None else "PIPELINE_BROKEN",
+                                  "asking every stage what it holds")
         held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
         for req in reqs:
             states = [h.get(req.id) for h in held]
@@ -415,6 +537,9 @@ class Engine:
                     continue
                 req.resumes += 1
                 self.counters.resumes += 1
+                if self.traces:
+                    self._trace_event(req, "resume", "STATE_HELD", f"every stage holds {req.fed} tokens at "
+                                                                   f"epoch {req.epoch}: continuing from there")
             else:
                 why = ", ".join(f"stage {i}: " + ("nothing" if s is None or not s.held else
                                                   f"epoch {s.epoch} length {s.length}")

@@ -17,7 +17,7 @@ from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
 from tether import settings
 from tether.protocol.hashing import hash_seed
-from tether.telemetry import logs
+from tether.telemetry import logs, tracing
 from tether.telemetry.metrics import CoordinatorMetrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -61,8 +61,11 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         rid = request.request_id
         logs.set_request(rid, request.label)
         req = self._request(request)
+        if request.traceparent:   # the caller's context: its trace id until ours exists (same trace)
+            c = tracing.span_context(request.traceparent)
+            logs.TRACE_ID.set(f"{c.trace_id:032x}" if c is not None and tracing.TRACER is not None else None)
         try:
-            events = self.engine.submit(req)
+            events = self.engine.submit(req, request.traceparent, request.label)
         except PipelineDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except DuplicateRequest as e:
@@ -157,7 +160,7 @@ class _Session:
             return
         req = self.svc._request(request)
         try:
-            events = self.svc.engine.submit(req)
+            events = self.svc.engine.submit(req, request.traceparent, request.label)
         except PipelineDown as e:
             self._fail(rid, grpc.StatusCode.UNAVAILABLE, str(e))
             return
@@ -188,6 +191,9 @@ class _Session:
     async def _follow(self, rid: str, label: str, req: Request, events: asyncio.Queue, timeout_s: float,
                       given: bool) -> None:
         logs.set_request(rid, label)   # this task's own context: its log lines carry the request's id
+        if self.svc.engine.traces:
+            spans = self.svc.engine.traces.get(rid)
+            logs.TRACE_ID.set(spans.trace_id if spans is not None else None)
         finished = False
         failed: str | None = None      # the status code name of a Failure, for the metrics
         timer = self.loop.call_later(timeout_s, self._expire, rid, timeout_s, given)

@@ -24,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from google.protobuf.message import DecodeError
 
-from services.stage_worker.worker import StageWorker, StepOutcome
+from services.stage_worker.worker import StageTraces, StageWorker, StepOutcome
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults
+from tether.telemetry import tracing
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.next_channel: grpc.aio.Channel | None = None
         # One thread: the model and KV state are touched by one step at a time, in frame order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
+        # None while tracing is off: the step is then exactly worker.process (no per-slot look at traceparent).
+        self.traces = StageTraces(worker) if tracing.TRACER is not None else None
 
     @property
     def who(self) -> str:
@@ -129,7 +132,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if self.coordinator_instance is not None:
                 # The state held belongs to a coordinator process that is gone: nobody will release it.
                 freed = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.worker.state.release, list(self.worker.state.requests))
+                    self.executor, self._release, list(self.worker.state.requests), "new coordinator")
                 log.info("new coordinator instance %s: freed %d request state(s) of the previous one",
                          request.coordinator_instance or "(unnamed)", freed)
             self.coordinator_instance = request.coordinator_instance
@@ -182,7 +185,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """On the step thread: apply an injected forget_kv, then process the frame."""
         if forget is not None:
             self.worker.state.release([forget])
+        if self.traces is not None:
+            return self.traces.process(frame)
         return self.worker.process(frame)
+
+    def _release(self, request_ids: list[str], why: str) -> int:
+        """On the step thread: free the requests' state (and end their spans, tracing on)."""
+        n = self.worker.state.release(request_ids)
+        if self.traces is not None:
+            self.traces.released(request_ids, why)
+        return n
 
     async def SyncState(self, request, context):
         return stage_pb2.SyncReply(states=[self.worker.state.held(r) for r in request.request_ids])
@@ -212,7 +224,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def Release(self, request, context):
         n = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.worker.state.release, list(request.request_ids))
+            self.executor, self._release, list(request.request_ids), "release")
         return stage_pb2.ReleaseReply(released=n)
 
     async def expire_leases(self) -> None:
@@ -220,9 +232,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         while True:
             await asyncio.sleep(max(1.0, self.lease_s / 10))
             stale = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.worker.state.expire, self.lease_s)
+                self.executor, self._expire)
             if stale:
                 log.info("lease expired: freed %d idle request(s)", len(stale))
+
+    def _expire(self) -> list[str]:
+        stale = self.worker.state.expire(self.lease_s)
+        if stale and self.traces is not None:
+            self.traces.released(stale, "lease")
+        return stale
 
 
 def peer_host(peer: str) -> str:

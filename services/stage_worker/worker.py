@@ -21,6 +21,7 @@ from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
 from tether.protocol import hashing
 from tether.protocol.hashing import sampling_digest, token_hash
+from tether.telemetry import tracing
 from tether.v1 import stage_pb2
 
 R = stage_pb2.RejectReason
@@ -239,3 +240,93 @@ class StageWorker:
                               activations=tensors.encode(h))
         nxt.payload_digest = frame_digest(nxt)
         return nxt
+
+
+class _RequestSpan:
+    __slots__ = ("span", "steps", "rows")
+
+    def __init__(self, span: tracing.Span) -> None:
+        self.span, self.steps, self.rows = span, 0, 0
+
+
+class StageTraces:
+    """This stage's spans (only while tracing is on; the step thread is the only one that touches them).
+
+    Per traced request (a slot with a `traceparent`): one span `stage{i} request`, child of the coordinator's
+    span of it, from its first frame here until its state is released (Release, lease, a new coordinator);
+    its rejections here are events with their reason, its step count and computed rows attributes.
+    Per step that carries at least one traced slot: one span `stage{i} step` (the shared work: every slot of
+    the frame), linked to the request span of each traced slot in it, so a request's trace leads to the
+    steps it took part in and a step to every traced request it served. Nothing per token beyond a counter.
+    """
+
+    MAX_OPEN = 4096   # request spans open at once; past it the oldest ends (a lost Release must not leak)
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+        self.open: dict[str, _RequestSpan] = {}
+
+    def _request(self, slot: stage_pb2.Slot) -> _RequestSpan | None:
+        rid = slot.stamp.request_id
+        r = self.open.get(rid)
+        if r is None:
+            parent = tracing.parent(slot.traceparent)
+            if parent is None:   # not a W3C traceparent: telemetry only, so ignored, never an error
+                return None
+            m = self.worker.model
+            span = tracing.start(f"stage{self.worker.index} request", parent, tracing.SpanKind.SERVER,
+                                 {"tether.request_id": rid, "tether.stage_index": self.worker.index,
+                                  "tether.layer_start": m.layer_start, "tether.layer_end": m.layer_end})
+            r = self.open[rid] = _RequestSpan(span)
+            while len(self.open) > self.MAX_OPEN:
+                self._end(next(iter(self.open)), "evicted")
+        return r
+
+    def process(self, frame: stage_pb2.Frame) -> StepOutcome:
+        """The worker's step, inside a step span when some slot is traced."""
+        traced = []
+        for slot in frame.slots:   # tracing on: one string read per slot; only traced slots cost more
+            if slot.traceparent:
+                r = self._request(slot)
+                if r is not None:
+                    traced.append((slot, r))
+        if not traced:
+            return self.worker.process(frame)
+        step = tracing.start(f"stage{self.worker.index} step",
+                             links=[tracing.Link(r.span.get_span_context()) for _, r in traced],
+                             attributes={"tether.stage_index": self.worker.index, "tether.slots": len(frame.slots),
+                                         "tether.traced_slots": len(traced)})
+        try:
+            outcome = self.worker.process(frame)
+        except Exception as e:
+            tracing.fail(step, type(e).__name__, str(e))
+            step.end()
+            raise
+        rejected = {res.stamp.request_id: res for res in outcome.results
+                    if not res.ok and res.stage_index == self.worker.index}
+        for slot, r in traced:
+            res = rejected.get(slot.stamp.request_id)
+            if res is not None:
+                reason = R.Name(res.reason) if res.reason in R.values() else str(res.reason)
+                r.span.add_event("rejection", {"tether.reason": reason, "tether.detail": res.detail,
+                                               "tether.epoch": slot.stamp.epoch,
+                                               "tether.position": slot.stamp.position})
+            else:
+                r.steps += 1
+                r.rows += len(slot.stamp.token_ids) - slot.cached_prefix
+        if rejected:
+            step.set_attribute("tether.rejected_slots", len(rejected))
+        step.end()
+        return outcome
+
+    def _end(self, request_id: str, why: str) -> None:
+        r = self.open.pop(request_id, None)
+        if r is not None:
+            r.span.set_attributes({"tether.steps": r.steps, "tether.rows": r.rows, "tether.ended_by": why})
+            r.span.end()
+
+    def released(self, request_ids, why: str) -> None:
+        """The state of these requests is gone from this stage: their spans end."""
+        if self.open:
+            for rid in request_ids:
+                self._end(rid, why)
