@@ -28,6 +28,7 @@ import pytest
 import yaml  # PyYAML: a dependency of transformers, which the `test` extra installs
 
 from tether import settings
+from tether.telemetry import tracing
 from tether.cli import healthcheck
 from tether.cli.cluster import default_metrics_ports, service_commands
 from tether.cli.main import SERVICE_MODULES
@@ -249,6 +250,8 @@ def test_jaeger_all_in_one_receives_otlp():
         env = _env(svc)
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
         assert env["OTEL_SERVICE_NAME"] == f"tether-{name}", name
+        # ... which is what turns tracing on in the service (nothing in its environment turns it off)
+        assert tracing.endpoint_from(None, {k: str(v) for k, v in env.items()}) == "http://jaeger:4317", name
 
 
 def test_serving_never_waits_for_telemetry():
