@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door bench-memory bench-prefix soak clean
+.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door bench-memory bench-overload bench-prefix soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -49,6 +49,9 @@ bench-front-door: setup  ## a small request's latency idle vs while 4 and 8 clie
 
 bench-memory: setup  ## stage RSS after 1,000 and 10,000 short requests on tiny (exit 1 past +10%; a few minutes, not in `make test`)
 	$(BIN)/python -m bench.memory --out bench-out/memory/report.json --log-dir bench-out/memory/logs
+
+bench-overload: setup  ## two pipelines at 2x their saturating rate: priorities, a tenant over its bucket, a pipeline killed (~6 min)
+	$(BIN)/python -m bench.overload --out bench-out/overload/report.json --log-dir bench-out/overload/logs
 
 bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
 	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
