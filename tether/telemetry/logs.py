@@ -8,8 +8,9 @@ service keys by), found in this order:
    handler, the coordinator's per-request task): every line logged inside it, by any module, carries the id;
 3. an internal id written in the message: admission mints 32 lowercase hex digits (uuid4().hex), so a line of
    the engine about a request ("request 3f2a...: ECHO_MISMATCH") carries it without the engine doing anything.
-The caller's own label travels as `label` where it is known. `trace_id` is reserved for tracing
-(issue 13 part 1): set `TRACE_ID` (or pass extra) and it appears in every line.
+The caller's own label travels as `label` where it is known. `trace_id` is the request's trace (tracing.py):
+set in `TRACE_ID` by the task serving a traced request (admission's handler, the coordinator's per-request
+task) or passed as `extra={"trace_id": ...}` (the engine's lines about a traced request); never guessed.
 """
 
 from __future__ import annotations
