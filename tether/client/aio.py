@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tether.client.tracecontext import trace_metadata
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
@@ -194,7 +195,7 @@ class AsyncClient:
     async def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
         async def attempt(timeout: float | None) -> GenerateResult:
             try:
-                response = await self._stub.Generate(request, timeout=timeout)
+                response = await self._stub.Generate(request, timeout=timeout, metadata=trace_metadata())
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -216,7 +217,9 @@ class AsyncClient:
             await _sleep(self.retrier, delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> AsyncStream:
-        return AsyncStream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout), sent, request_id,
+        metadata = trace_metadata()   # the caller's span where it asked, whenever the attempts run
+        return AsyncStream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
+                           sent, request_id,
                            self.retrier.begin(self.timeout), self.retrier)
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tether.client.tracecontext import trace_metadata
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
@@ -187,7 +188,7 @@ class Client:
     def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
         def attempt(timeout: float | None) -> GenerateResult:
             try:
-                response = self._stub.Generate(request, timeout=timeout)
+                response = self._stub.Generate(request, timeout=timeout, metadata=trace_metadata())
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -210,7 +211,9 @@ class Client:
             sleep(delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> Stream:
-        return Stream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout), sent, request_id,
+        metadata = trace_metadata()   # the caller's span where it asked, whenever the attempts run
+        return Stream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
+                      sent, request_id,
                       self.retrier.begin(self.timeout), self.retrier.sleep)
 
     def close(self) -> None:

@@ -162,3 +162,16 @@ def test_an_untraced_caller_gets_a_new_trace_and_the_stages_see_it(cluster, rece
                and x.attributes["tether.request_id"] == r.receipt.internal_id)
     assert adm.parent_span_id == ""
     receiver.wait_for(_complete(adm.trace_id), what="complete trace")
+
+
+def test_the_sdk_continues_its_callers_current_span(cluster, receiver):
+    from opentelemetry.sdk.trace import TracerProvider
+    caller = TracerProvider().get_tracer("caller")   # not exported: only its context matters here
+    with caller.start_as_current_span("the caller's work") as span, \
+            Client(cluster.target, timeout=60, retry=None) as client:
+        client.generate("inside the caller's span", max_tokens=2)
+        ctx = span.get_span_context()
+    trace_id, span_id = f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+    spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name == "admission Generate" for x in s),
+                              what="admission span in the caller's trace")
+    assert _one(_trace(spans, trace_id), "admission Generate").parent_span_id == span_id
