@@ -71,7 +71,7 @@ class Candidate:
     load: PipelineLoad
     outstanding: float = 0.0        # predicted cost routed here by this admission and not finished
     in_flight: int = 0              # requests routed here by this admission and not finished
-    prefix_hit: bool = False        # this admission last sent the request's prefix here, cache unchanged since
+    prefix_hit: bool = False        # this admission sent the request's prefix here, cache unchanged since
 
     @property
     def backlog(self) -> float:
@@ -139,7 +139,7 @@ def queue_score(c: Candidate, req: RouteRequest) -> float:
 
 
 def prefix_score(c: Candidate, req: RouteRequest) -> float:
-    """The request's prefix was last sent here and that pipeline has not forgotten its cache since."""
+    """The request's prefix was sent here and that pipeline has not forgotten its cache since."""
     return 1.0 if c.prefix_hit else 0.0
 
 
@@ -159,28 +159,29 @@ POLICIES = settings.ROUTE_POLICIES
 
 @dataclass
 class PrefixAffinity:
-    """Where this admission last sent each prefix key, and that pipeline's cache generation then (bounded LRU).
-    A coordinator that forgot its cache mirror bumps its generation, which invalidates its entries."""
+    """Which pipelines this admission has sent each prefix key to, and each one's cache generation then (a
+    bounded LRU over keys). A pipeline whose coordinator forgot its cache mirror bumps its generation, which
+    voids its entries. Remembering every pipeline a key went to (not just the last) matters: a prefix that
+    two pipelines both hold gives neither a reason to take more than its share of the load."""
 
     capacity: int = PREFIX_AFFINITY_ENTRIES
-    entries: OrderedDict[int, tuple[str, int]] = field(default_factory=OrderedDict)
+    entries: OrderedDict[int, dict[str, int]] = field(default_factory=OrderedDict)
 
-    def lookup(self, key: int, loads: dict[str, PipelineLoad]) -> str | None:
-        hit = self.entries.get(key) if key else None
-        if hit is None:
-            return None
-        name, generation = hit
-        load = loads.get(name)
-        if load is None or load.cache_generation != generation:
-            del self.entries[key]
-            return None
+    def lookup(self, key: int, loads: dict[str, PipelineLoad]) -> set[str]:
+        held = self.entries.get(key) if key else None
+        if not held:
+            return set()
+        for name, generation in list(held.items()):
+            load = loads.get(name)
+            if load is None or load.cache_generation != generation:
+                del held[name]
         self.entries.move_to_end(key)
-        return name
+        return set(held)
 
     def note(self, key: int, load: PipelineLoad) -> None:
         if not key:
             return
-        self.entries[key] = (load.name, load.cache_generation)
+        self.entries.setdefault(key, {})[load.name] = load.cache_generation
         self.entries.move_to_end(key)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
@@ -224,7 +225,7 @@ class Router:
         for_role = [p for p in live if req.size_class in p.roles] or [p for p in live if role_matches(p, req)] or live
         by_name = {p.name: p for p in loads}
         affine = self.affinity.lookup(req.prefix_key, by_name)
-        candidates = [Candidate(p, outstanding.get(p.name, 0.0), in_flight.get(p.name, 0), p.name == affine)
+        candidates = [Candidate(p, outstanding.get(p.name, 0.0), in_flight.get(p.name, 0), p.name in affine)
                       for p in for_role]
         decision = self._pick(req, candidates)
         self.affinity.note(req.prefix_key, by_name[decision.pipeline])

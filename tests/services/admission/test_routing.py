@@ -95,6 +95,16 @@ def test_prefix_affinity_follows_the_prefix_until_the_cache_is_forgotten():
     assert d.pipeline == "b"
 
 
+def test_a_prefix_both_pipelines_hold_biases_neither():
+    r = Router()
+    req = RouteRequest(prompt_tokens=600, max_tokens=16, prefix_key=7)
+    route(r, req, [load("a"), load("b", work=10_000)])     # to a
+    route(r, req, [load("a", work=10_000), load("b")])     # to b: both now hold it
+    assert r.affinity.lookup(7, {"a": load("a"), "b": load("b")}) == {"a", "b"}
+    # with both affine, the less loaded one takes it, even by a margin affinity alone would have overridden
+    assert route(r, req, [load("a", work=400), load("b", work=0)]).pipeline == "b"
+
+
 def test_affinity_memory_is_bounded():
     r = Router()
     r.affinity.capacity = 8
