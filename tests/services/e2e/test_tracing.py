@@ -175,3 +175,16 @@ def test_the_sdk_continues_its_callers_current_span(cluster, receiver):
     spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name == "admission Generate" for x in s),
                               what="admission span in the caller's trace")
     assert _one(_trace(spans, trace_id), "admission Generate").parent_span_id == span_id
+
+
+def test_a_refused_request_is_a_failed_admission_span_with_its_status(cluster, receiver):
+    trace_id = "5" * 32
+    with grpc.insecure_channel(cluster.target) as ch, pytest.raises(grpc.RpcError) as refused:
+        admission_pb2_grpc.AdmissionStub(ch).Generate(
+            admission_pb2.GenerateRequest(prompt=b"x", sampling={"temperature": -1.0}),
+            metadata=(("traceparent", f"00-{trace_id}-{'6' * 16}-01"),), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id for x in s), what="the refused request's span")
+    adm = _one(_trace(spans, trace_id), "admission Generate")
+    assert adm.status_code == 2 and adm.attributes["tether.status"] == "INVALID_ARGUMENT"   # STATUS_CODE_ERROR
+    assert {s.name for s in _trace(spans, trace_id)} == {"admission Generate"}   # nothing went downstream
