@@ -29,6 +29,7 @@ MAX_MESSAGES = 256             # messages in one conversation; their contents sh
 OVERLOAD_RETRY_AFTER_S = 1.0   # RetryInfo delay admission suggests when it refuses for overload
 READINESS_POLL_S = 1.0         # how often admission asks its coordinator whether it is serving
 LOAD_REPORT_INTERVAL_S = 0.25  # how often each coordinator streams its load to admission (Coordinator.Watch)
+DISCOVERY_INTERVAL_S = 5.0     # how often admission re-resolves `--coordinator dns:NAME:PORT` (pipelines come and go)
 ROUTE_POLICIES = ("features", "least-loaded", "round-robin")   # admission's routing (services/admission/routing.py)
 ROUTE_POLICY = "features"      # the default: by predicted cost, load, prefix affinity, KV room and roles
 # A request whose client set no deadline gets this one (admission, and the coordinator for its own peers):

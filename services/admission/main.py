@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from services.admission.front_work import FrontWork, model_limits
@@ -96,6 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
     registry = metrics.new_registry() if args.metrics_port else None
     servicer = AdmissionServicer(pipelines, limits, fingerprint, args.max_concurrent,
                                  args.max_request_seconds, work=work, tenant_limits=tenant_limits)
+    servicer.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
     if registry is not None:
         registry.register(PipelinesCollector(pipelines))
         servicer.metrics = metrics.AdmissionMetrics(registry, lambda: servicer.limit.active, args.max_concurrent,
@@ -109,8 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.set_serving(False)
 
     readiness = supervise.start("readiness", lambda: follow_readiness(server, servicer), not_ready)
-    watches = [supervise.start(f"watch {link.address}", lambda link=link: pipelines.watch(link))
-               for link in pipelines.links.values()]
+    pipelines.start()   # each pipeline's load, and the set of pipelines behind `dns:` names
     if registry is not None:
         port = metrics.serve(registry, args.host, args.metrics_port)
         logs.announce(log, f"admission metrics on http://{args.host}:{port}/metrics")
@@ -120,8 +121,6 @@ async def serve(args: argparse.Namespace) -> None:
         await server.wait_for_signal()
     finally:
         readiness.cancel()
-        for task in watches:
-            task.cancel()
         work.close()
         await pipelines.close()
 

@@ -15,6 +15,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -23,7 +24,7 @@ import xxhash
 from services.admission.breaker import CircuitBreaker
 from services.admission.limits import Refusal, shed_by_deadline
 from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
-from tether import settings
+from tether import settings, supervise
 from tether.grpcutil import channel
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -32,13 +33,16 @@ log = logging.getLogger(__name__)
 # Tokens of a prompt's start that identify its prefix for affinity when the tagger found no system prompt: one
 # KV block, the smallest prefix the stages cache.
 PREFIX_TOKENS = settings.ATTENTION_BLOCK
+DNS_PREFIX = "dns:"
 # The coordinator statuses that say something about the pipeline (a breaker counts them); a cancel, bad input
 # or a deadline the caller set do not.
 PIPELINE_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 def parse_coordinators(spec: str) -> list[tuple[str, frozenset[str]]]:
-    """`HOST:PORT[=ROLE+ROLE],...` -> [(address, roles)]: roles are size classes (short, medium, long)."""
+    """`HOST:PORT[=ROLE+ROLE],...` -> [(address, roles)]: roles are size classes (short, medium, long). An
+    address `dns:NAME:PORT` stands for every address NAME resolves to (a Kubernetes headless Service): the
+    pipelines behind it are followed as they come and go (`Pipelines.discover`)."""
     out = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -46,7 +50,7 @@ def parse_coordinators(spec: str) -> list[tuple[str, frozenset[str]]]:
         address, _, roles = item.partition("=")
         role_set = frozenset(r.strip() for r in roles.split("+") if r.strip())
         bad = role_set - {"short", "medium", "long"}
-        if bad or ":" not in address:
+        if bad or ":" not in address.removeprefix(DNS_PREFIX):
             raise ValueError(f"bad coordinator {item!r}: expected HOST:PORT or HOST:PORT=ROLE[+ROLE] with roles "
                              f"among short, medium, long")
         out.append((address.strip(), role_set))
@@ -95,6 +99,7 @@ class PipelineLink:
         self.in_flight = 0
         self.slots_per_step = settings.MAX_BATCH_SLOTS    # the coordinator's batch limits, from its reports
         self.tokens_per_step = settings.MAX_BATCH_TOKENS
+        self.discovered = False                  # found through DNS: retired when it no longer resolves
 
     @property
     def serving(self) -> bool:
@@ -132,10 +137,74 @@ class Pipelines:
     def __init__(self, coordinators: list[tuple[str, frozenset[str]]], fingerprint: str,
                  session_factory: Callable, policy: str = "features",
                  watch_interval_s: float = settings.LOAD_REPORT_INTERVAL_S) -> None:
-        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint) for a, roles in coordinators}
+        self.fingerprint, self.session_factory = fingerprint, session_factory
+        self.names = [(a.removeprefix(DNS_PREFIX), roles) for a, roles in coordinators if a.startswith(DNS_PREFIX)]
+        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint)
+                      for a, roles in coordinators if not a.startswith(DNS_PREFIX)}
         self.router = Router(policy)
         self.watch_interval_s = watch_interval_s
         self.changed = asyncio.Event()           # a pipeline's routability changed (admission's health follows)
+        self.watches: dict[str, asyncio.Task] = {}
+        self.retired: dict[str, PipelineLink] = {}   # no longer resolved: closed once their requests ended
+
+    # --- the set of pipelines -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Follow every configured pipeline's load (and, for `dns:` names, the set of pipelines)."""
+        for link in self.links.values():
+            self._follow(link)
+        if self.names:
+            self.watches["dns"] = asyncio.create_task(supervise.supervise("pipeline discovery", self.discover),
+                                                      context=contextvars.Context())
+
+    def _follow(self, link: PipelineLink) -> None:
+        # A fresh context: a watch serves every request, it must not carry the one that started it.
+        self.watches[link.address] = asyncio.create_task(
+            supervise.supervise(f"watch {link.address}", lambda: self.watch(link)), context=contextvars.Context())
+
+    def apply(self, resolved: dict[str, frozenset[str]]) -> None:
+        """Make the DNS-discovered pipelines exactly `resolved` (address -> roles): new ones are followed at
+        once; gone ones take no new requests and are closed when their last request ends."""
+        for address, roles in resolved.items():
+            if address not in self.links:
+                link = self.retired.pop(address, None) or PipelineLink(address, roles, self.session_factory,
+                                                                       self.fingerprint)
+                link.discovered = True
+                self.links[address] = link
+                self._follow(link)
+                log.info("pipeline %s discovered", address)
+        discovered = {a for a, link in self.links.items() if a not in resolved and link.discovered}
+        for address in discovered:
+            link = self.links.pop(address)
+            task = self.watches.pop(address, None)
+            if task is not None:
+                task.cancel()
+            self.retired[address] = link
+            log.info("pipeline %s no longer resolves: draining %d request(s)", address, link.in_flight)
+        self._close_drained()
+        self.changed.set()
+
+    def _close_drained(self) -> None:
+        for address, link in list(self.retired.items()):
+            if link.in_flight == 0:
+                del self.retired[address]
+                asyncio.get_running_loop().create_task(link.close())
+
+    async def discover(self, resolve: Callable[[str, int], Awaitable[list[str]]] | None = None,
+                       interval_s: float = settings.DISCOVERY_INTERVAL_S) -> None:
+        """Resolve every `dns:` name every `interval_s` and apply the result; a failed lookup changes nothing."""
+        resolve = resolve or resolve_addresses
+        while True:
+            resolved: dict[str, frozenset[str]] = {}
+            try:
+                for name, roles in self.names:
+                    host, _, port = name.rpartition(":")
+                    for ip in await resolve(host, int(port)):
+                        resolved[f"{ip}:{port}"] = roles
+            except OSError as e:
+                log.warning("resolving the pipelines failed, keeping the ones known: %s", e)
+            else:
+                self.apply(resolved)
+            await asyncio.sleep(interval_s)
 
     # --- readiness ------------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:
@@ -165,9 +234,6 @@ class Pipelines:
                 self.changed.set()
             await asyncio.sleep(settings.READINESS_POLL_S)
 
-    def start_watching(self) -> list[asyncio.Task]:
-        # A fresh context: a watch serves every request, it must not carry the one that started it.
-        return [asyncio.create_task(self.watch(l), context=contextvars.Context()) for l in self.links.values()]
 
     # --- a request's route ----------------------------------------------------------------------------------
     def choose(self, req: RouteRequest, deadline_s: float | None) -> Routed:
@@ -205,6 +271,8 @@ class Pipelines:
         link = routed.link
         link.outstanding = max(0.0, link.outstanding - routed.cost)
         link.in_flight -= 1
+        if link.address in self.retired:
+            self._close_drained()
         if code is None:
             link.breaker.success()
         elif code in PIPELINE_FAILURES:
@@ -216,7 +284,15 @@ class Pipelines:
                  "waiting": l.load.waiting} for l in self.links.values()]
 
     async def close(self) -> None:
-        await asyncio.gather(*(l.close() for l in self.links.values()))
+        for task in self.watches.values():
+            task.cancel()
+        await asyncio.gather(*(l.close() for l in [*self.links.values(), *self.retired.values()]))
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to (IPv6 ones bracketed), off the event loop."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({f"[{i[4][0]}]" if i[0] == socket.AF_INET6 else i[4][0] for i in infos})
 
 
 class Refused(Exception):

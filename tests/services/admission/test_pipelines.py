@@ -125,3 +125,42 @@ def test_pipelines_collector_shows_each_pipeline_and_its_breaker():
     assert f'tether:pipeline_up{{pipeline="{b.address}"}} 0.0' in text
     assert f'tether:pipeline_breaker_state{{pipeline="{b.address}",state="open"}} 1.0' in text
     assert f'tether:pipeline_breaker_opens_total{{pipeline="{b.address}"}} 1.0' in text
+
+
+def test_dns_names_are_followed_as_pipelines_come_and_go():
+    """`dns:NAME:PORT`: every resolved address is a pipeline; one that stops resolving takes no new request and
+    is closed once its last request ended; a failed lookup changes nothing."""
+    answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"], OSError("no such host")]
+
+    async def resolve(host, port):
+        assert (host, port) == ("coordinators.ns.svc", 50061)
+        answer = answers.pop(0) if answers else OSError("still failing")
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def run():
+        p = Pipelines(parse_coordinators("dns:coordinators.ns.svc:50061=long,127.0.0.1:9"), "fp", lambda stub: None)
+        assert set(p.links) == {"127.0.0.1:9"}
+        task = asyncio.create_task(p.discover(resolve, interval_s=0.01))
+        while "10.0.0.1:50061" not in p.links:
+            await asyncio.sleep(0.001)
+        assert set(p.links) == {"127.0.0.1:9", "10.0.0.1:50061", "10.0.0.2:50061"}
+        assert p.links["10.0.0.1:50061"].load.roles == {"long"}
+        gone = p.links["10.0.0.1:50061"]
+        gone.report(report())
+        held = p.choose(RouteRequest(32, 16, size_class="long"), None)   # a request in flight on it
+        assert held.link is gone
+        while "10.0.0.3:50061" not in p.links:
+            await asyncio.sleep(0.001)
+        while answers:                                     # the failed lookup: nothing changes
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert set(p.links) == {"127.0.0.1:9", "10.0.0.2:50061", "10.0.0.3:50061"}   # the static one stays
+        assert "10.0.0.1:50061" in p.retired                # draining: its request still runs
+        p.finished(held, None)
+        assert "10.0.0.1:50061" not in p.retired
+        task.cancel()
+        await p.close()
+
+    asyncio.run(run())
