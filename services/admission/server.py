@@ -109,6 +109,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         self.not_ready_reason = "admission has not reached a coordinator yet"
         self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
         self.metrics = metrics                           # None: --metrics-port off, nothing observed
+        self.model_name = model_fingerprint              # gen_ai.request.model of traces (main.py: --model)
 
     def set_ready(self, ready: bool, reason: str) -> None:
         self.ready, self.not_ready_reason = ready, reason
@@ -234,7 +235,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"admission failed to process the request: {e!r}")
         a = Admitted(uuid.uuid4().hex, valid, tags)
         if rt is not None:
-            rt.admitted(a, self.model_fingerprint, request, started)
+            rt.admitted(a, self.model_name, self.model_fingerprint, request, started)
         if take_label and valid.request_id:
             key = (valid.tenant, valid.request_id)
             if key in self.labels:
@@ -403,7 +404,8 @@ class RequestTrace:
         return tracing.TRACER.start_span(name, context=tracing.child_of(self.span), attributes=attributes,
                                          start_time=started_ns)
 
-    def admitted(self, a: Admitted, model: str, request: admission_pb2.GenerateRequest, started_ns: int) -> None:
+    def admitted(self, a: Admitted, model: str, fingerprint: str, request: admission_pb2.GenerateRequest,
+                 started_ns: int) -> None:
         valid, tags = a.valid, a.tags
         attributes = {f"tether.{k}": v for k, v in dataclasses.asdict(tags).items()}
         attributes["tether.prefix_key"] = f"{tags.prefix_key:016x}"   # a uint64: not an OTel int64 attribute
@@ -411,6 +413,7 @@ class RequestTrace:
             "gen_ai.operation.name": "chat" if request.messages else "text_completion",
             "gen_ai.system": "tether",
             "gen_ai.request.model": model,
+            "tether.model_fingerprint": fingerprint,
             "gen_ai.request.max_tokens": tags.output_budget,
             "gen_ai.request.temperature": valid.sampling.temperature,
             "gen_ai.usage.input_tokens": len(valid.prompt_token_ids),

@@ -91,7 +91,7 @@ def test_one_request_is_one_trace_across_every_service(cluster, receiver):
     assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.temperature"] == pytest.approx(0.5)
     assert a["gen_ai.usage.input_tokens"] == reply.receipt.prompt_tokens
     assert a["gen_ai.usage.output_tokens"] == reply.receipt.output_tokens == len(reply.token_ids)
-    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.request.model"]
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.request.model"] == "tiny"
     # the intent tags, as the response carries them
     assert a["tether.task"] == reply.tags.task == "summarize" and a["tether.language"] == reply.tags.language
     assert a["tether.length_limit"] == reply.tags.length_limit == 10
