@@ -10,7 +10,6 @@ from pathlib import Path
 
 from services.admission.front_work import FrontWork, model_limits
 from services.admission.limits import TenantLimits
-from services.admission.pipeline_metrics import PipelinesCollector
 from services.admission.pipelines import Pipelines, parse_coordinators
 from services.admission.routing import POLICIES
 from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
@@ -99,7 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
                                  args.max_request_seconds, work=work, tenant_limits=tenant_limits)
     servicer.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
     if registry is not None:
-        registry.register(PipelinesCollector(pipelines))
+        registry.register(metrics.PipelinesCollector(pipelines))
         servicer.metrics = metrics.AdmissionMetrics(registry, lambda: servicer.limit.active, args.max_concurrent,
                                                     lambda: servicer.ready)
     admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)

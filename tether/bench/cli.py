@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tether import reference, settings
-from tether.bench import chaos, engine, report, stats
+from tether.bench import capacity, chaos, engine, report, stats
 from tether.bench.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, levels_of, stage_threads
 from tether.bench.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo", type=_slo, metavar="ttft:MS,tpot:MS",
                    help="service-level objectives for goodput (completed requests/s within all of them); "
                         "metrics: ttft, tpot, e2e in milliseconds. Without it no goodput is reported")
+    g.add_argument("--find-capacity", action="store_true",
+                   help="search for the highest open-loop rate that meets --slo with zero audit mismatches "
+                        "(at least 99%% of requests within every bound, none failed): the rate doubles from "
+                        "--rate (default 1/s) until a level misses, then is bisected three times; each level "
+                        "lasts --duration (default 15 s). Reports the capacity per pipeline")
     g.add_argument("--audit", action="store_true",
                    help="replay every completed request through the in-process reference, teacher forced on "
                         "the served tokens, and count exact / within-margin / MISMATCH per level")
@@ -251,6 +256,18 @@ STAGE_KV_FLAG = "--kv-capacity"         # services/stage_worker/main.py: the sta
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
+    if args.find_capacity:
+        if not args.slo:
+            raise SystemExit("tether bench: --find-capacity searches for the highest rate within an SLO: give "
+                             "--slo ttft:MS,tpot:MS")
+        if args.sweep or args.concurrency or args.compare_prefix_cache or args.chaos is not None:
+            raise SystemExit("tether bench: --find-capacity chooses its own open-loop rates (start one with --rate); "
+                             "drop --sweep/--concurrency/--compare-prefix-cache/--chaos")
+        if args.num_requests:
+            raise SystemExit("tether bench: --find-capacity levels run for a time, not a count (a count sent at "
+                             "a high rate is a burst, not a load): use --duration")
+        args.duration = args.duration or capacity.LEVEL_S
+        args.audit = True    # capacity counts only levels with zero mismatches
     spawn_only = [f for f, on in (("--no-prefix-cache", args.no_prefix_cache),
                                   ("--compare-prefix-cache", args.compare_prefix_cache),
                                   ("--stage-kv-tokens", args.stage_kv_tokens is not None)) if on]
@@ -360,6 +377,13 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         for row in [header, *rows]:
             out("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    cap = rep.get("capacity")
+    if cap:
+        for lv in cap["levels"]:
+            out(f"capacity: {lv['rate']:g} req/s {'meets' if lv['meets'] else 'misses'} the SLO: {lv['why']}")
+        best = cap["capacity_rate"]
+        out(f"capacity: {best:g} req/s within the SLO, {cap['per_pipeline']:g} per pipeline ({cap['pipelines']} "
+            f"pipeline(s))" if best is not None else "capacity: no rate tried met the SLO")
     cmp = rep.get("prefix_cache_compare")
     if cmp:
         for r in cmp["rows"]:
@@ -457,7 +481,10 @@ def run_one(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel
         rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
         bench = Bench(args, target, lm, workload, probe_of(args, cluster))
-        rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
+        if args.find_capacity:
+            rep["levels"], rep["capacity"] = asyncio.run(bench.run_capacity(args.pipelines))
+        else:
+            rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
         if target_chaos:
             after = chaos.read_stats(args.coordinator, args.stage_addresses)
             rep["chaos"] = chaos.target_report(before, after, bench.records)

@@ -93,6 +93,7 @@ def markdown(report: dict) -> str:
         out += [f"> **{mismatches} MISMATCH(ES) FOUND BY THE AUDIT**: answers the model would not give to "
                 "their request. This is a correctness bug; details below.", ""]
     out += ["## Summary", "", *_table(SUMMARY_HEADER, summary_rows(report["levels"])), ""]
+    out += _capacity_md(report.get("capacity"))
     out += _engine_summary_md(report)
     for lv in report["levels"]:
         s = lv["summary"]
@@ -118,6 +119,18 @@ def markdown(report: dict) -> str:
     out += ["## Plots", ""]
     out += [f"![{p}]({p})" for p in report["plots"]] or [report["plots_note"]]
     return "\n".join(out) + "\n"
+
+
+def _capacity_md(cap: dict | None) -> list[str]:
+    if not cap:
+        return []
+    best = cap["capacity_rate"]
+    head = (f"**{fmt(best, 2)} req/s** within the SLO with zero audit mismatches: {fmt(cap['per_pipeline'], 2)} "
+            f"req/s per pipeline ({cap['pipelines']} pipeline(s)); a level meets it when none of its requests "
+            f"failed, none mismatched and at least {cap['min_good']:.0%} met every bound."
+            if best is not None else "No rate tried met the SLO.")
+    rows = [[f"{lv['rate']:g}/s", "meets" if lv["meets"] else "misses", lv["why"]] for lv in cap["levels"]]
+    return ["## Capacity", "", head, "", *_table(["rate", "SLO", "why"], rows), ""]
 
 
 def frac(value: float | None) -> str:

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 
 from tether import reference, settings
-from tether.bench import audit, baselines, loadgen, stats
+from tether.bench import audit, baselines, capacity, loadgen, stats
 from tether.bench.engine import EngineProbe
 from tether.bench.progress import Progress
 from tether.bench.records import BREAKDOWN_TAGS, RequestRecord
@@ -98,6 +98,20 @@ class Bench:
                 # rate), so levels differ only in their load: common random numbers, the fair way to compare.
                 out.append(await self.measured_level(client, level))
         return out
+
+    async def run_capacity(self, pipelines: int) -> tuple[list[dict], dict]:
+        """--find-capacity: warm up, then open-loop levels chosen by the capacity search (each audited)."""
+        search = capacity.CapacitySearch(start=self.args.rate or 1.0)
+        out = []
+        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
+            await self.warm_up(client)
+            while (rate := search.next_rate()) is not None:
+                level = await self.measured_level(client, loadgen.Level("open", rate=rate))
+                ok, why = capacity.meets(level)
+                level["capacity"] = dict(meets=ok, why=why)
+                search.record(rate, ok, why)
+                out.append(level)
+        return out, search.report(pipelines)
 
     async def measured_level(self, client: AsyncClient, level: loadgen.Level, key: str = "levels",
                              label: str | None = None) -> dict:

@@ -317,6 +317,35 @@ class _AdmissionGauges(Collector):
         yield _gauge("admission_ready", "1 while admission's coordinator serves its model", self.ready())
 
 
+class PipelinesCollector(Collector):
+    """Admission's view of its pipelines (services/admission/pipelines.py `Pipelines`, read duck-typed: `links`
+    of address -> link with `serving`, `in_flight` and a `breaker` with `state` and `opens`): routable or not,
+    breaker state, requests in flight, breaker openings."""
+
+    STATES = ("closed", "open", "half_open")
+
+    def __init__(self, pipelines) -> None:
+        self.pipelines = pipelines
+
+    def collect(self) -> Iterator[Metric]:
+        # plain reads of the loop's state: each value is atomic under the GIL
+        up = GaugeMetricFamily(PREFIX + "pipeline_up", "1 while the pipeline's load reports say it serves "
+                               "admission's model", labels=["pipeline"])
+        breaker = GaugeMetricFamily(PREFIX + "pipeline_breaker_state", "The pipeline's circuit breaker: 1 for its "
+                                    "current state (closed, open, half_open)", labels=["pipeline", "state"])
+        in_flight = GaugeMetricFamily(PREFIX + "pipeline_requests_in_flight", "Requests admission has routed to "
+                                      "the pipeline and not seen end", labels=["pipeline"])
+        opens = CounterMetricFamily(PREFIX + "pipeline_breaker_opens", "Times the pipeline's circuit breaker "
+                                    "opened", labels=["pipeline"])
+        for link in list(self.pipelines.links.values()):
+            up.add_metric([link.address], int(link.serving))
+            for state in self.STATES:
+                breaker.add_metric([link.address, state], int(link.breaker.state == state))
+            in_flight.add_metric([link.address], link.in_flight)
+            opens.add_metric([link.address], link.breaker.opens)
+        yield from (up, breaker, in_flight, opens)
+
+
 # Every tether metric family a service can expose (as Prometheus names them: counters end in _total,
 # histograms have _bucket/_sum/_count series). The dashboard and docs are checked against it.
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
@@ -334,6 +363,7 @@ def metric_names() -> set[str]:
     m.ended("x", "ABORTED")
     registry.register(CoordinatorCollector(lambda: coordinator_pb2.StatsReply()))
     registry.register(StageCollector(lambda: stage_pb2.StageStats()))
+    registry.register(PipelinesCollector(type("NoPipelines", (), {"links": {}})()))
     for family in registry.collect():
         if family.type == "histogram":
             names |= {family.name + s for s in ("_bucket", "_sum", "_count")}

@@ -112,7 +112,7 @@ def test_failures_open_the_breaker_and_traffic_moves():
 def test_pipelines_collector_shows_each_pipeline_and_its_breaker():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from services.admission.pipeline_metrics import PipelinesCollector
+    from tether.telemetry.metrics import PipelinesCollector
 
     p = make(2)
     a, b = p.links.values()
