@@ -274,12 +274,15 @@ def test_route_is_the_statefulset_pods_by_dns(docs):
     assert _flags(_argv(docs, COORD)[1:])["--stages"].split(",") == expected
 
 
-def test_admission_points_at_the_coordinator_service(docs):
+def test_admission_follows_the_coordinators_by_dns(docs):
     coord, svc = one(docs, *COORD), one(docs, "Service", "tether-coordinator")
     assert _selects(svc, coord)
     assert coord["spec"]["replicas"] == 1, "one coordinator per pipeline: it is the single writer"
     assert coord["spec"]["strategy"]["type"] == "Recreate", "two coordinators must never share the stages"
-    assert _flags(_argv(docs, ADMISSION)[1:])["--coordinator"] == f"tether-coordinator:{_service_port(svc, 'grpc')}"
+    # admission follows every pipeline's coordinator by DNS: a headless Service over the coordinators' pods
+    every = one(docs, "Service", "tether-coordinators")
+    assert every["spec"]["clusterIP"] == "None" and _selects(every, coord)
+    assert _flags(_argv(docs, ADMISSION)[1:])["--coordinator"] == f"dns:tether-coordinators:{_service_port(every, 'grpc')}"
     adm, adm_svc = one(docs, *ADMISSION), one(docs, "Service", "tether-admission")
     assert _selects(adm_svc, adm)
 
