@@ -67,6 +67,12 @@ class CircuitBreaker:
         if self.state == CLOSED and self.failures >= self.failure_threshold:
             self._open()
 
+    def neutral(self) -> None:
+        """A request ended in a way that says nothing about the pipeline (cancelled, refused for its input): a
+        probe it held is free again, or a half-open breaker would wait forever for that probe's verdict."""
+        if self.state == HALF_OPEN and self.probing:
+            self.probing -= 1
+
     def trip(self) -> None:
         """Open now: the pipeline said it is down (its load report or health)."""
         if self.state != OPEN:

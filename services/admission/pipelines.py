@@ -277,11 +277,8 @@ class Pipelines:
             link.breaker.success()
         elif code in PIPELINE_FAILURES:
             link.breaker.failure()
-
-    def stats(self) -> list[dict]:
-        return [{"address": l.address, "serving": l.serving, "reason": l.reason, "breaker": l.breaker.state,
-                 "breaker_opens": l.breaker.opens, "in_flight": l.in_flight, "running": l.load.running,
-                 "waiting": l.load.waiting} for l in self.links.values()]
+        else:
+            link.breaker.neutral()
 
     async def close(self) -> None:
         for task in self.watches.values():

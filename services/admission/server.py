@@ -119,14 +119,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
         arrived = time.perf_counter()
-        rt = RequestTrace("Generate", context) if tracing.TRACER is not None else None
-        try:
-            await self._check_ready(context)
-            await self._acquire(context)
-        except BaseException as e:
-            if rt is not None:
-                rt.end(context, e)
-            raise
+        rt = await self._enter("Generate", context)
         a: Admitted | None = None
         error: BaseException | None = None
         try:
@@ -154,14 +147,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
         arrived = time.perf_counter()
-        rt = RequestTrace("GenerateStream", context) if tracing.TRACER is not None else None
-        try:
-            await self._check_ready(context)
-            await self._acquire(context)
-        except BaseException as e:
-            if rt is not None:
-                rt.end(context, e)
-            raise
+        rt = await self._enter("GenerateStream", context)
         a: Admitted | None = None
         error: BaseException | None = None
         try:
@@ -201,6 +187,18 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         return admission_pb2.TagResponse(tags=tags_proto(a.tags))
 
     # ---- steps ------------------------------------------------------------------------------------------
+
+    async def _enter(self, rpc: str, context: grpc.aio.ServicerContext) -> "RequestTrace | None":
+        """Readiness, then a concurrency slot; the request's trace when tracing is on (ended here if refused)."""
+        rt = RequestTrace(rpc, context) if tracing.TRACER is not None else None
+        try:
+            await self._check_ready(context)
+            await self._acquire(context)
+        except BaseException as e:
+            if rt is not None:
+                rt.end(context, e)
+            raise
+        return rt
 
     async def _check_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Never forward while no pipeline serves our model: that answer would be wrong."""

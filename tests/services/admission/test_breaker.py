@@ -59,3 +59,15 @@ def test_trip_opens_at_once():
 def pytest_approx(x):
     import pytest
     return pytest.approx(x)
+
+
+def test_a_probe_that_ends_without_a_verdict_frees_its_slot():
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=1, open_s=1.0, probes=1, clock=clock)
+    b.failure()
+    clock.t = 1.0
+    assert b.allow() and b.state == HALF_OPEN and not b.allow()
+    b.neutral()                     # the probe was cancelled by its client: no verdict
+    assert b.allow()                # another request may probe, instead of the breaker staying half-open forever
+    b.success()
+    assert b.state == CLOSED

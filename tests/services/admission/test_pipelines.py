@@ -164,3 +164,17 @@ def test_dns_names_are_followed_as_pipelines_come_and_go():
         await p.close()
 
     asyncio.run(run())
+
+
+def test_a_cancelled_probe_does_not_leave_the_breaker_stuck_half_open():
+    p = make(1)
+    (link,) = p.links.values()
+    link.report(report())
+    link.breaker.clock = lambda: 0.0
+    link.breaker.trip()
+    link.breaker.clock = lambda: 100.0                     # past the open wait: half-open, one probe
+    probe = p.choose(RouteRequest(32, 16), None)
+    with pytest.raises(Refused):
+        p.choose(RouteRequest(32, 16), None)               # the probe slot is taken
+    p.finished(probe, grpc.StatusCode.CANCELLED)
+    assert p.choose(RouteRequest(32, 16), None).link is link
