@@ -1,11 +1,12 @@
 """deploy/k8s is correct by construction: no cluster is needed to check it.
 
 No pure-Python kustomize exists, so `render()` builds what `kubectl kustomize` would for the subset the manifests
-use (resources, namespace, labels, images, JSON 6902 patches), and every check runs on the base and on the
-example overlay: the containers run the `tether` subcommands with the flags service_commands() gives them (metrics
-on, JSON logs, --threads = the CPU limit), stage i of the StatefulSet holds layer slice i, the coordinator's route
-and admission's coordinator are the Services' DNS names and ports, probes use gRPC health on the gRPC port,
-Prometheus annotations name the metrics port, and every resource has requests and limits.
+use (resources, namespace, namePrefix, labels, images, JSON 6902 patches), and every check runs on the base and
+on the example overlay: the containers run the `tether` subcommands with the flags service_commands() gives them
+(metrics on, JSON logs, --threads = the CPU limit), stage i of the StatefulSet holds layer slice i, the
+coordinator's route and admission's coordinator are the Services' DNS names and ports, probes use gRPC health on
+the gRPC port, Prometheus annotations name the metrics port, and every resource has requests and limits. The
+second-pipeline and autoscaled overlays have their own checks at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "example"
+SECOND_PIPELINE = K8S / "overlays" / "pipeline-p1"
+AUTOSCALED = K8S / "overlays" / "autoscaled"
 ADDRESS_FLAGS = {"--stages", "--coordinator"}
 K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants"}   # flags a deployment sets that the local launcher leaves default
 CLUSTER_SCOPED = {"Namespace"}
@@ -42,7 +45,7 @@ def _pointer(path: str) -> list[str]:
 
 
 def _json_patch(doc: dict, ops: list[dict]) -> None:
-    """RFC 6902 add / replace / remove (what the overlay uses)."""
+    """RFC 6902 add / replace / remove / test (what the overlays use)."""
     for op in ops:
         *parents, last = _pointer(op["path"])
         node = doc
@@ -50,6 +53,10 @@ def _json_patch(doc: dict, ops: list[dict]) -> None:
             node = node[int(key)] if isinstance(node, list) else node[key]
         if op["op"] == "remove":
             del node[int(last) if isinstance(node, list) else last]
+            continue
+        if op["op"] == "test":   # the patch states what it replaces: a base that moved fails here, not silently
+            here = node[int(last)] if isinstance(node, list) else node[last]
+            assert here == op["value"], f"patch test {op['path']}: {here!r} != {op['value']!r}"
             continue
         value = copy.deepcopy(op["value"])
         if isinstance(node, list):
@@ -72,22 +79,65 @@ def _workload_containers(doc: dict) -> list[dict]:
     return []
 
 
+# kustomize's name references this renderer follows when a namePrefix renames their target
+_NAME_REFS = {"StatefulSet": [("spec", "serviceName")], "HorizontalPodAutoscaler": [("spec", "scaleTargetRef", "name")]}
+
+
+def _rename(docs: list[dict], prefix: str) -> None:
+    """namePrefix: every resource of this kustomization, and the references to them (ConfigMap keys, a
+    StatefulSet's Service, an HPA's target); references to resources outside it stay as they are."""
+    names = {d["metadata"]["name"] for d in docs}
+    for d in docs:
+        d["metadata"]["name"] = prefix + d["metadata"]["name"]
+        for path in _NAME_REFS.get(d["kind"], []):
+            *parents, last = path
+            node = d
+            for key in parents:
+                node = node[key]
+            if node[last] in names:
+                node[last] = prefix + node[last]
+        for c in _workload_containers(d):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("configMapKeyRef")
+                if ref and ref["name"] in names:
+                    ref["name"] = prefix + ref["name"]
+
+
+def _label(docs: list[dict], pairs: dict[str, str], selectors: bool) -> None:
+    """labels: metadata always; with includeSelectors, Service selectors, workload selectors and pod templates."""
+    for d in docs:
+        d["metadata"].setdefault("labels", {}).update(pairs)
+        if not selectors:
+            continue
+        if d["kind"] == "Service" and "selector" in d["spec"]:
+            d["spec"]["selector"].update(pairs)
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            d["spec"]["selector"]["matchLabels"].update(pairs)
+            d["spec"]["template"]["metadata"].setdefault("labels", {}).update(pairs)
+
+
 def render(folder: Path) -> list[dict]:
     k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(k) - {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
+    unknown = set(k) - {"apiVersion", "kind", "resources", "namespace", "namePrefix", "labels", "images", "patches"}
     assert not unknown, f"{folder}: kustomization fields this renderer does not model: {unknown}"
     docs: list[dict] = []
     for res in k.get("resources", []):
         path = (folder / res).resolve()
-        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+        if path.is_dir():
+            docs += render(path)
+        else:
+            assert path.is_relative_to(folder.resolve()), f"{folder}: kustomize loads files under the root only: {res}"
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     for patch in k.get("patches", []):
         target = patch["target"]
         hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
         assert len(hits) == 1, f"patch target {target} matches {len(hits)} resources"
         _json_patch(hits[0], yaml.safe_load(patch["patch"]))
+    if "namePrefix" in k:
+        _rename(docs, k["namePrefix"])
     for group in k.get("labels", []):
-        for d in docs:
-            d["metadata"].setdefault("labels", {}).update(group["pairs"])
+        assert set(group) <= {"pairs", "includeSelectors"}, group
+        _label(docs, group["pairs"], group.get("includeSelectors", False))
     for image in k.get("images", []):
         for d in docs:
             for c in _workload_containers(d):
@@ -371,3 +421,106 @@ def test_overlay_namespace_and_changes():
     assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
     # the base is untouched by rendering the overlay
     assert one(render(BASE), *ADMISSION)["spec"]["replicas"] == 1
+
+
+# --------------------------------------------------------------------------------------------- more pipelines
+
+def _pods_selected(svc_or_workload_selector: dict, workload: dict) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in svc_or_workload_selector.items())
+
+
+def test_a_second_pipeline_beside_the_base_shares_nothing_but_admission():
+    """overlays/pipeline-p1 applied next to the base: every name distinct, no selector of one pipeline picks the
+    other's pods, its route names its own stage pods, and admission's headless Service lists both coordinators."""
+    base, p1 = render(BASE), render(SECOND_PIPELINE)
+    names = [(d["kind"], d["metadata"]["name"]) for d in base + p1]
+    assert len(names) == len(set(names)), "a name of the second pipeline clashes with the base's"
+    assert not any(d["kind"] in ("ConfigMap", "Namespace") or "admission" in d["metadata"]["name"] for d in p1), \
+        "a pipeline overlay deploys stages and a coordinator only"
+    both = base + p1
+    sts = {p: one(both, "StatefulSet", f"{p}tether-stage") for p in ("", "p1-")}
+    coords = {p: one(both, "Deployment", f"{p}tether-coordinator") for p in ("", "p1-")}
+    for mine, other in (("", "p1-"), ("p1-", "")):
+        for kind, w in (("StatefulSet", sts), ("Deployment", coords)):
+            assert not _pods_selected(w[mine]["spec"]["selector"]["matchLabels"], w[other]), \
+                f"{kind} {w[mine]['metadata']['name']} selects the other pipeline's pods"
+        for svc_name, w in ((f"{mine}tether-stage", sts), (f"{mine}tether-coordinator", coords)):
+            svc = one(both, "Service", svc_name)
+            assert _selects(svc, w[mine]) and not _selects(svc, w[other]), svc_name
+        c = _workload_containers(w := sts[mine])[0]
+        assert _env(both, c)["OTEL_SERVICE_NAME"] == w["metadata"]["name"]
+    every = one(both, "Service", "tether-coordinators")
+    assert all(_selects(every, c) for c in coords.values()), "admission must find both pipelines by DNS"
+    # p1's route: its own stage pods under its own headless Service, as many as it has replicas
+    headless = one(both, "Service", sts["p1-"]["spec"]["serviceName"])
+    assert headless["metadata"]["name"] == "p1-tether-stage" and _selects(headless, sts["p1-"])
+    route = _flags(_argv(both, ("Deployment", "p1-tether-coordinator"))[1:])["--stages"].split(",")
+    assert route == [f"p1-tether-stage-{i}.p1-tether-stage:{_service_port(headless, 'grpc')}"
+                     for i in range(sts["p1-"]["spec"]["replicas"])]
+    # and the rest of its commands are the base pipeline's
+    for kind_name in (("StatefulSet", "tether-stage"), ("Deployment", "tether-coordinator")):
+        p1_kind_name = (kind_name[0], "p1-" + kind_name[1])
+        a, b = _flags(_argv(both, kind_name)[1:]), _flags(_argv(both, p1_kind_name)[1:])
+        assert {k: v for k, v in a.items() if k != "--stages"} == {k: v for k, v in b.items() if k != "--stages"}
+
+
+def test_autoscaled_pipeline_pods_are_whole_pipelines_scaled_on_the_queue():
+    """overlays/autoscaled: each pod of tether-pipeline runs the commands `tether up` gives one pipeline (same ports,
+    the route over the pod's loopback), carries the coordinator label admission discovers, and the HPA scales
+    that Deployment on the metric the prometheus-adapter rule makes of the coordinator's queue gauge."""
+    docs = render(AUTOSCALED)
+    assert not [d for d in docs if d["kind"] == "StatefulSet"], "no stage StatefulSet: the pod is the pipeline"
+    pipe = one(docs, "Deployment", "tether-pipeline")
+    assert "replicas" not in pipe["spec"], "the HPA owns the replica count"
+    pod = pipe["spec"]["template"]
+    containers = pod["spec"]["containers"]
+    stages = [c for c in containers if c["name"].startswith("stage-")]
+    (coord,) = [c for c in containers if c["name"] == "coordinator"]
+    n = len(stages)
+    extra = {role: ["--log-format", "json"] for role in ("stage", "coordinator", "admission")}
+    threads = int(_cpu(stages[0]["resources"]["limits"]["cpu"]))
+    reference = {s.name: s.argv[s.argv.index("-m") + 2:]
+                 for s in service_commands(_config(docs)["model"], n, threads=threads, extra=extra,
+                                           metrics_ports=default_metrics_ports(n))}
+    for i, c in enumerate(stages):
+        assert c["name"] == f"stage-{i}"
+        argv = [_expand(a, _env(docs, c)) for a in c["args"]]
+        mine, theirs = _flags(argv[1:]), _flags(reference[f"stage{i}"])
+        assert {k: v for k, v in mine.items() if k != "--host"} == {k: v for k, v in theirs.items() if k != "--host"}
+        assert c["readinessProbe"]["grpc"]["port"] == int(mine["--port"])
+        assert {p["containerPort"] for p in c["ports"]} == {int(mine["--port"]), int(mine["--metrics-port"])}
+        importlib.import_module("services.stage_worker.main").build_parser().parse_args(argv[1:])
+    argv = [_expand(a, _env(docs, coord)) for a in coord["args"]]
+    mine, theirs = _flags(argv[1:]), _flags(reference["coordinator"])
+    assert {k: v for k, v in mine.items() if k != "--host"} == {k: v for k, v in theirs.items() if k != "--host"}, \
+        "the pod's coordinator routes to its own stage containers exactly as `tether up` does"
+    importlib.import_module("services.coordinator.main").build_parser().parse_args(argv[1:])
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == mine["--metrics-port"], \
+        "Prometheus scrapes the coordinator: the queue gauge the HPA reads is its"
+    every = one(docs, "Service", "tether-coordinators")
+    assert _selects(every, pipe) and _service_port(every, "grpc") == int(mine["--port"])
+    assert _flags(_argv(docs, ADMISSION)[1:])["--coordinator"] == f"dns:tether-coordinators:{mine['--port']}"
+    # the HPA: this Deployment, on the adapter's name for the coordinator's tether:num_requests_waiting gauge
+    hpa = one(docs, "HorizontalPodAutoscaler", "tether-pipeline")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tether-pipeline"}
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    adapter = yaml.safe_load((AUTOSCALED / "prometheus-adapter-rules.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    series = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)\{", rule["seriesQuery"]).group(1)
+    assert re.fullmatch(rule["name"]["matches"], series)
+    assert series in _coordinator_metric_names(), f"{series} is not a metric the coordinator exports"
+
+
+def _coordinator_metric_names() -> set[str]:
+    """The names the coordinator's collector exports, read from a collector over a stub Stats reply."""
+    from prometheus_client import CollectorRegistry
+    from tether.telemetry import metrics
+    from tether.v1 import coordinator_pb2
+    registry = CollectorRegistry()
+    registry.register(metrics.CoordinatorCollector(lambda: coordinator_pb2.StatsReply()))
+    return {m.name for m in registry.collect()}
