@@ -121,3 +121,15 @@ METRICS_MAX_TENANTS = 64
 METRICS_PORT = 0                 # a service's --metrics-port when not given: off
 LOG_FORMATS = ("text", "json")   # --log-format: json is one object per line (tether/telemetry/logs.py)
 LOG_FORMAT = "text"
+
+# Transport security (tether/security/, docs/PROTOCOL.md "Transport security"). Every service takes --tls-ca,
+# --tls-cert and --tls-key (defaults from these environment variables; the CA falls back to gRPC's own
+# GRPC_DEFAULT_SSL_ROOTS_FILE_PATH). Without a certificate a service speaks plaintext and says so once at start.
+TLS_CA_ENV = "TETHER_TLS_CA"
+TLS_CERT_ENV = "TETHER_TLS_CERT"
+TLS_KEY_ENV = "TETHER_TLS_KEY"
+TLS_GRPC_ROOTS_ENV = "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"
+TLS_TRUST_DOMAIN = "tether.local"   # identities are spiffe://tether.local/<role>[/<name>] URI SANs
+TLS_CA_DAYS = 3650                  # `tether certs init`: the local CA's lifetime
+TLS_CERT_DAYS = 365                 # and each service certificate's
+TLS_CLIENT_AUTH = ("none", "require")   # admission's --tls-client-auth (internal services always require)

@@ -20,6 +20,8 @@ COMMANDS = {
     "chat": ("talk to a running cluster: an interactive conversation, replies streamed", "tether.cli.chat"),
     "tag": ("show the intent tags admission would give a prompt (no generation)", "tether.cli.generate"),
     "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.bench.cli"),
+    "certs": ("make a local CA and a certificate per service (`tether certs init DIR`, for --tls)",
+              "tether.cli.certs"),
     "stage": ("run one stage worker (as a container would)", None),
     "coordinator": ("run the coordinator (as a container would)", None),
     "admission": ("run the admission front door (as a container would)", None),
