@@ -10,6 +10,7 @@ Tenants' limits come from a TOML file (`--tenants FILE`):
     requests_per_s = 100
     tokens_per_s = 200000
     burst_s = 2                # bucket depth, in seconds of rate (default 1)
+    api_keys_sha256 = ["..."]  # the tenant's API keys, hashed; and `priorities`: read by auth.py
 
 A tenant over either bucket is refused with RESOURCE_EXHAUSTED and a RetryInfo saying when its bucket will
 hold the request; other tenants are unaffected. Without a file, no tenant is limited.
@@ -27,6 +28,8 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.admission.auth import AUTH_FIELDS
 
 # Share of the global concurrency cap each priority may fill: what is above a priority's share is kept for
 # the priorities above it.
@@ -88,16 +91,15 @@ class TenantLimits:
 
     @classmethod
     def from_file(cls, path: str | Path, clock: Callable[[], float] = time.monotonic) -> "TenantLimits":
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"tenant limits file {path}: {e}") from e
-        unknown = set(data) - {"defaults", "tenants"}
-        if unknown:
-            raise ValueError(f"tenant limits file {path}: unknown section(s) {sorted(unknown)}; "
-                             f"expected [defaults] and [tenants.NAME]")
-        return cls(_limit(data.get("defaults", {}), f"{path} [defaults]"),
-                   {name: _limit(v, f"{path} [tenants.{name}]") for name, v in data.get("tenants", {}).items()},
+        return cls.from_config(read_tenants_file(path), str(path), clock)
+
+    @classmethod
+    def from_config(cls, data: dict, where: str = "tenants file",
+                    clock: Callable[[], float] = time.monotonic) -> "TenantLimits":
+        """The limits of a parsed tenants file (read_tenants_file); its API keys are auth.py's."""
+        return cls(_limit(data.get("defaults", {}), f"{where} [defaults]"),
+                   {name: _limit(v, f"{where} [tenants.{name}]", AUTH_FIELDS)
+                    for name, v in data.get("tenants", {}).items()},
                    clock)
 
     @property
@@ -133,6 +135,21 @@ class TenantLimits:
         return bucket(limit.requests_per_s), bucket(limit.tokens_per_s)
 
 
+def read_tenants_file(path: str | Path) -> dict:
+    """The tenants TOML, its sections checked: ValueError (naming the file) when unreadable or unknown."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"tenant limits file {path}: {e}") from e
+    unknown = set(data) - {"defaults", "tenants"}
+    if unknown:
+        raise ValueError(f"tenant limits file {path}: unknown section(s) {sorted(unknown)}; "
+                         f"expected [defaults] and [tenants.NAME]")
+    if not isinstance(data.get("tenants", {}), dict):
+        raise ValueError(f"tenant limits file {path}: tenants must be tables, [tenants.NAME]")
+    return data
+
+
 def _limited(limit: TenantLimit) -> bool:
     return limit.requests_per_s > 0 or limit.tokens_per_s > 0
 
@@ -143,14 +160,17 @@ def _describe(limit: TenantLimit) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _limit(section: dict, where: str) -> TenantLimit:
+def _limit(section: dict, where: str, skip: frozenset[str] = frozenset()) -> TenantLimit:
+    """A table's limits; the keys in `skip` are someone else's to read (a tenant's API keys)."""
     if not isinstance(section, dict):
         raise ValueError(f"{where}: expected a table")
-    unknown = set(section) - {"requests_per_s", "tokens_per_s", "burst_s"}
+    unknown = set(section) - {"requests_per_s", "tokens_per_s", "burst_s"} - skip
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}")
     values = {}
     for key, value in section.items():
+        if key in skip:
+            continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}")
         values[key] = float(value)

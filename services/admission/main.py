@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from services.admission.front_work import FrontWork, model_limits
-from services.admission.limits import TenantLimits
+from services.admission.auth import ApiKeys
+from services.admission.limits import TenantLimits, read_tenants_file
 from services.admission.pipelines import Pipelines, parse_coordinators
 from services.admission.routing import POLICIES
 from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
@@ -56,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "pipeline's load, prefix-cache affinity, KV room, roles), least-loaded or round-robin "
                         "(for comparison) (default: %(default)s)")
     p.add_argument("--tenants", metavar="FILE", default=None,
-                   help="TOML file of per-tenant rate limits ([defaults] and [tenants.NAME] with requests_per_s, "
-                        "tokens_per_s, burst_s); without it no tenant is limited")
+                   help="TOML file of tenants: rate limits ([defaults] and [tenants.NAME] with requests_per_s, "
+                        "tokens_per_s, burst_s) and API keys ([tenants.NAME] api_keys_sha256 = [...] from `tether "
+                        "keys new`, and the priorities it may use, default [\"standard\", \"sheddable\"]); once "
+                        "any key is listed every call needs 'authorization: Bearer <key>' and runs as its key's "
+                        "tenant; without keys the tenant is whatever the caller claims, and without the file no "
+                        "tenant is limited")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
                    help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
                         "since admission tokenizes (default: %(default)s)")
@@ -87,15 +92,24 @@ async def serve(args: argparse.Namespace) -> None:
     work = FrontWork(folder, limits, args.tag_workers)
     work.warm_up()   # before listening, on this thread (see warm_up): the first large request pays no start-up
     try:
-        tenant_limits = TenantLimits.from_file(args.tenants) if args.tenants else None
+        tenants = read_tenants_file(args.tenants) if args.tenants else {}
+        tenant_limits = TenantLimits.from_config(tenants, args.tenants) if args.tenants else None
+        api_keys = ApiKeys.from_config(tenants, args.tenants or "")
     except ValueError as e:
         raise SystemExit(f"tether admission: {e}") from None
+    if api_keys.active:
+        log.info("API keys required: %d key(s) of %d tenant(s)", len(api_keys.by_digest),
+                 len({p.tenant for p in api_keys.by_digest.values()}))
+    else:
+        log.warning("tenants are unauthenticated: no API key is configured (api_keys_sha256 in --tenants FILE), "
+                    "so each request's tenant (cache namespace, limits) and priority are whatever its caller claims")
     pipelines = Pipelines(args.coordinator, fingerprint, CoordinatorSession, args.route_policy)
     server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
                     max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
     registry = metrics.new_registry() if args.metrics_port else None
     servicer = AdmissionServicer(pipelines, limits, fingerprint, args.max_concurrent,
-                                 args.max_request_seconds, work=work, tenant_limits=tenant_limits)
+                                 args.max_request_seconds, work=work, tenant_limits=tenant_limits,
+                                 api_keys=api_keys)
     servicer.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
     if registry is not None:
         registry.register(metrics.PipelinesCollector(pipelines))

@@ -1,13 +1,14 @@
 """The Admission service: validate, tag, limit, route to a pipeline, stream back with a receipt.
 
-Order of work per request, cheapest refusal first: readiness (UNAVAILABLE while no pipeline serves our
-model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and tagging (large requests in
-worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the caller's label (ALREADY_EXISTS
-while the same tenant has it in flight), the tenant's rate limits and shedding by priority (limits.py;
-RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py: UNAVAILABLE + RetryInfo
-while every pipeline that could take it is down or its breaker open; RESOURCE_EXHAUSTED when none would start
-it before its deadline), and only then that pipeline's coordinator. Every request gets an internal id minted here;
-the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
+Order of work per request, cheapest refusal first: the caller's API key once any is configured (auth.py:
+UNAUTHENTICATED; PERMISSION_DENIED for a tenant or priority the key may not use), readiness (UNAVAILABLE while
+no pipeline serves our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and
+tagging (large requests in worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the
+caller's label (ALREADY_EXISTS while the same tenant has it in flight), the tenant's rate limits and shedding
+by priority (limits.py; RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py:
+UNAVAILABLE + RetryInfo while every pipeline that could take it is down or its breaker open; RESOURCE_EXHAUSTED
+when none would start it before its deadline), and only then that pipeline's coordinator. Every request gets an
+internal id minted here; the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from services.admission.auth import ApiKeys, AuthError, Principal, authorize
 from services.admission.front_work import FrontWork, admit
 from services.admission.limits import Refusal, TenantLimits, shed_by_priority
 from services.admission.pipelines import Pipelines, Refused, Routed, routing_key, watch_readiness
 from services.admission.routing import RouteRequest
-from services.admission.tagger import Tags
+from services.admission.tagger import Tags, normalize_priority
 from services.admission.validate import ModelLimits, ValidRequest
 from tether import settings
 from tether.grpcutil import Server
@@ -94,9 +96,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
                  model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
                  tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None,
-                 metrics: AdmissionMetrics | None = None, tenant_limits: TenantLimits | None = None) -> None:
+                 metrics: AdmissionMetrics | None = None, tenant_limits: TenantLimits | None = None,
+                 api_keys: ApiKeys | None = None) -> None:
         self.pipelines = pipelines
         self.tenant_limits = tenant_limits or TenantLimits()   # no file: no tenant is limited
+        self.api_keys = api_keys or ApiKeys()                  # no key configured: the body's tenant stands
         self.model = model
         self.model_fingerprint = model_fingerprint
         self.limit = ConcurrencyLimit(max_concurrent)
@@ -119,11 +123,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
         arrived = time.perf_counter()
-        rt = await self._enter("Generate", context)
+        rt, principal = await self._enter("Generate", context)
         a: Admitted | None = None
         error: BaseException | None = None
         try:
-            a = await self._admit(request, context, rt=rt)
+            a = await self._admit(request, context, rt=rt, principal=principal)
             routed = await self._route(a, context, rt)
             response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags, routed), seed=a.valid.sampling.seed)
             text: list[str] = []
@@ -147,11 +151,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
         arrived = time.perf_counter()
-        rt = await self._enter("GenerateStream", context)
+        rt, principal = await self._enter("GenerateStream", context)
         a: Admitted | None = None
         error: BaseException | None = None
         try:
-            a = await self._admit(request, context, rt=rt)
+            a = await self._admit(request, context, rt=rt, principal=principal)
             routed = await self._route(a, context, rt)
             # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
             # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
@@ -179,26 +183,59 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         as_generate = admission_pb2.GenerateRequest(prompt=request.prompt, sampling=request.sampling,
                                                     tenant=request.tenant, priority=request.priority,
                                                     messages=request.messages)
+        principal = await self._authenticate(context)
         await self._acquire(context)   # the same CPU work as a request: the same cap
         try:
-            a = await self._admit(as_generate, context, take_label=False)
+            a = await self._admit(as_generate, context, take_label=False, principal=principal)
         finally:
             self.limit.release()
         return admission_pb2.TagResponse(tags=tags_proto(a.tags))
 
     # ---- steps ------------------------------------------------------------------------------------------
 
-    async def _enter(self, rpc: str, context: grpc.aio.ServicerContext) -> "RequestTrace | None":
-        """Readiness, then a concurrency slot; the request's trace when tracing is on (ended here if refused)."""
+    async def _enter(self, rpc: str, context: grpc.aio.ServicerContext,
+                     ) -> "tuple[RequestTrace | None, Principal | None]":
+        """The caller's key, readiness, then a concurrency slot: the request's trace when tracing is on (ended
+        here if refused) and the caller's principal (None while no key is configured)."""
         rt = RequestTrace(rpc, context) if tracing.TRACER is not None else None
         try:
+            principal = await self._authenticate(context)
             await self._check_ready(context)
             await self._acquire(context)
         except BaseException as e:
             if rt is not None:
                 rt.end(context, e)
             raise
-        return rt
+        return rt, principal
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal | None:
+        """The caller's principal from its API key, or UNAUTHENTICATED; None (anyone) while no key is configured.
+        First of all checks: a caller without a key learns nothing, not even readiness, and takes no slot."""
+        if not self.api_keys.active:
+            return None
+        got = self.api_keys.authenticate(context.invocation_metadata())
+        if isinstance(got, AuthError):
+            await self._auth_failed(context, got)
+        return got
+
+    async def _authorize(self, request: admission_pb2.GenerateRequest, principal: Principal,
+                         context: grpc.aio.ServicerContext) -> None:
+        """Run the request as the key's tenant (an empty body tenant becomes it), or PERMISSION_DENIED for
+        another tenant or a priority the tenant may not use."""
+        try:
+            priority = normalize_priority(request.priority)
+        except ValueError:
+            priority = request.priority   # not a priority at all: validation refuses it with INVALID_ARGUMENT
+        got = authorize(principal, request.tenant, priority)
+        if isinstance(got, AuthError):
+            await self._auth_failed(context, got)
+        request.tenant = got   # the handler's own message: the tenant every later step reads
+
+    async def _auth_failed(self, context: grpc.aio.ServicerContext, error: AuthError) -> None:
+        if self.metrics is not None:
+            self.metrics.auth_failures.labels(error.reason).inc()
+        log.debug("refused a call (%s): %s", error.reason, error.message)   # the message never holds the key
+        await context.abort(error.code, error.message)
 
     async def _check_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Never forward while no pipeline serves our model: that answer would be wrong."""
@@ -207,9 +244,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"admission is not ready: {self.not_ready_reason}")
 
     async def _admit(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                     take_label: bool = True, rt: "RequestTrace | None" = None) -> Admitted:
-        """Tokenize, validate and tag; mint the internal id; take the caller's label (released by `_done`)."""
+                     take_label: bool = True, rt: "RequestTrace | None" = None,
+                     principal: Principal | None = None) -> Admitted:
+        """The key's tenant and priorities (with a principal), then tokenize, validate and tag; mint the internal
+        id; take the caller's label (released by `_done`)."""
         started = time.time_ns() if rt is not None else 0
+        if principal is not None:
+            await self._authorize(request, principal, context)
         try:
             if self.work is None or self.work.is_inline(request):
                 valid, tags = admit(request, self.model)   # small: cheaper now than shipped (< 1 ms)

@@ -259,6 +259,9 @@ class AdmissionMetrics:
                             "coordinator, by reason: overload (concurrency cap), priority_<priority> (shed near the "
                             "cap), tenant_limit, route_<code> (no pipeline can take it), not_ready, invalid, "
                             "tag_timeout, duplicate_label, worker_died, internal", ["reason"], registry=registry)
+        self.auth_failures = Counter(PREFIX + "auth_failures", "Calls refused by admission's API-key check, by "
+                                     "reason: missing, malformed, unknown_key (UNAUTHENTICATED), tenant, priority "
+                                     "(PERMISSION_DENIED)", ["reason"], registry=registry)
         self.max_tenants = max_tenants
         self.tenants: set[str] = set()
         registry.register(_AdmissionGauges(in_flight, max_concurrent, ready))
