@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from tether import settings
-from tether.cli.generate import DEFAULT_RETRIES, DEFAULT_TARGET, RETRIES_HELP, error_text, retries, retry_policy
+from tether.cli.generate import (DEFAULT_RETRIES, RETRIES_HELP, add_connection_flags, connection, error_text, retries,
+                                 retry_policy)
 
 HELP = "commands: /reset (forget the conversation, keep the system prompt), /exit (or end of input)"
 
@@ -45,7 +46,7 @@ class Conversation:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether chat", description="Talk to a running cluster: an interactive "
                                 "conversation, history kept, replies streamed. " + HELP + ".")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    add_connection_flags(p)
     p.add_argument("--system", default="", help="system prompt, sent first with every turn")
     p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
                    help="output budget per reply (default: %(default)s)")
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one per reply")
-    p.add_argument("--tenant", default="", help="tenant (cache namespace)")
+    p.add_argument("--tenant", default="", help="tenant (cache namespace); with an API key leave it out: the key's "
+                                                "tenant is used")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per reply before giving up, retries "
                                                                 "included (default: %(default)s)")
     p.add_argument("--retries", type=retries, default=DEFAULT_RETRIES, metavar="N", help=RETRIES_HELP)
@@ -116,7 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, tenant=args.tenant)
-    with Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries)) as client:
+    try:
+        client = Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries), **connection(args))
+    except ValueError as e:   # credentials the SDK cannot use (half a TLS pair, an unreadable file)
+        raise SystemExit(f"tether chat: {e}")
+    with client:
         try:
             repl(client, Conversation(args.system), params, sys.stdin, sys.stdout, sys.stderr, sys.stdin.isatty())
         except KeyboardInterrupt:   # at the prompt: leave quietly

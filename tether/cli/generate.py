@@ -45,6 +45,27 @@ def error_text(e: Exception, retrying: bool) -> str:
     return str(e)
 
 
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """--target, the API key and TLS: how every client command reaches admission."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    g = p.add_argument_group("credentials", "What admission may ask of a caller: an API key (it decides your "
+                             "tenant and the priorities you may use) and TLS. Prefer the environment variables: "
+                             "a key on the command line shows in the process list and shell history.")
+    g.add_argument("--api-key", metavar="KEY", default=None,
+                   help="API key, sent as 'authorization: Bearer KEY' (default: $TETHER_API_KEY)")
+    g.add_argument("--tls-ca", metavar="PEM", default=None,
+                   help="CA certificate that verifies admission; any --tls-* turns TLS on (default: $TETHER_TLS_CA)")
+    g.add_argument("--tls-cert", metavar="PEM", default=None,
+                   help="client certificate, when admission requires one (default: $TETHER_TLS_CERT)")
+    g.add_argument("--tls-key", metavar="PEM", default=None,
+                   help="the private key of --tls-cert (default: $TETHER_TLS_KEY)")
+
+
+def connection(args: argparse.Namespace) -> dict:
+    """The Client keyword arguments of add_connection_flags' flags (None: the SDK reads the environment)."""
+    return dict(api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether generate",
                                 description="Send one prompt, or a one-turn conversation (--user, optionally "
@@ -53,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt (UTF-8 text), sent as is; or use --user")
     p.add_argument("--user", help="a user message, sent as a conversation (instead of a raw prompt)")
     p.add_argument("--system", help="a system message before --user")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    add_connection_flags(p)
     p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
                    help="output budget in tokens (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -61,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one")
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    p.add_argument("--tenant", default="", help="tenant (cache namespace)")
-    p.add_argument("--priority", default="", choices=["", "critical", "standard", "sheddable"], help="priority class")
+    p.add_argument("--tenant", default="", help="tenant (cache namespace); with an API key leave it out: the key's "
+                                                "tenant is used, and naming another is refused")
+    p.add_argument("--priority", default="", choices=["", "critical", "standard", "sheddable"],
+                   help="priority class (default: standard); an API key's tenant may be limited to some")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole result (text, tokens, receipt, tags) as JSON")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -90,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=tuple(args.stop), tenant=args.tenant, priority=args.priority)
     try:
-        with Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries)) as client:
+        with Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries), **connection(args)) as client:
             if args.stream and not args.json:
                 stream = client.stream_chat(messages, **params) if messages else client.stream(args.prompt, **params)
                 for delta in stream:
@@ -100,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             result = client.chat(messages, **params) if messages else client.generate(args.prompt, **params)
     except TetherError as e:
         raise SystemExit(f"tether generate: {error_text(e, args.retries > 0)}")
+    except ValueError as e:   # credentials the SDK cannot use (half a TLS pair, an unreadable file)
+        raise SystemExit(f"tether generate: {e}")
     if args.json:
         print(json.dumps(dataclasses.asdict(result), ensure_ascii=False, indent=2))
     else:
@@ -112,7 +137,7 @@ def build_tag_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt (UTF-8 text); or use --user")
     p.add_argument("--user", help="a user message: tag it as a conversation (with an optional --system)")
     p.add_argument("--system", help="a system message before --user")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="admission HOST:PORT (default: %(default)s)")
+    add_connection_flags(p)
     p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS, help="requested output budget")
     return p
 
@@ -123,8 +148,8 @@ def tag_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     messages = conversation_args(parser, args)
     try:
-        with Client(args.target) as client:
+        with Client(args.target, **connection(args)) as client:
             tags = client.tag(args.prompt, max_tokens=args.max_tokens, messages=messages)
-    except TetherError as e:
+    except (TetherError, ValueError) as e:
         raise SystemExit(f"tether tag: {e}")
     print(json.dumps(tags, ensure_ascii=False, indent=2))

@@ -1,7 +1,7 @@
 """Python SDK of tether: `Client` (blocking) and `AsyncClient` (asyncio) for the Admission service.
 
     from tether.client import Client
-    with Client("127.0.0.1:50051") as c:
+    with Client("127.0.0.1:50051") as c:          # api_key= (or $TETHER_API_KEY) when admission asks for keys
         print(c.generate("Hello", max_tokens=16).text)
         s = c.stream("你好")
         for delta in s:
@@ -15,8 +15,8 @@ before their first token; `result.attempts` says how many attempts a call took.
 """
 
 from tether.client.aio import AsyncClient, AsyncStream
-from tether.client.errors import (Aborted, DeadlineExceeded, InvalidArgument, ReceiptMismatch, ResourceExhausted,
-                                  TetherError, Unavailable)
+from tether.client.errors import (Aborted, DeadlineExceeded, InvalidArgument, PermissionDenied, ReceiptMismatch,
+                                  ResourceExhausted, TetherError, Unauthenticated, Unavailable)
 from tether.client.retry import Retrier, RetryBudget, RetryPolicy
 from tether.client.sync import Client, Stream
 from tether.client.wire import GenerateResult
@@ -25,5 +25,6 @@ from tether.types import Delta, Receipt
 __all__ = [
     "AsyncClient", "AsyncStream", "Client", "Stream", "Delta", "GenerateResult", "Receipt", "TetherError",
     "InvalidArgument", "Unavailable", "Aborted", "DeadlineExceeded", "ResourceExhausted", "ReceiptMismatch",
+    "Unauthenticated", "PermissionDenied",
     "RetryPolicy", "RetryBudget", "Retrier",
 ]

@@ -9,13 +9,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tether.client.credentials import call_metadata, open_channel, resolve
 from tether.client.tracecontext import trace_metadata
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
 from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
                                 result_from_response, sent_and_request, tag_request, tags_dict)
-from tether.grpcutil import channel
 from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -121,14 +121,18 @@ class AsyncClient:
     use `async with` or `await close()`.
 
     `timeout` and `retry` as `tether.client.Client`: the timeout bounds all of a call's attempts together;
-    `retry` is a RetryPolicy, True (the default policy) or None/False (one attempt).
+    `retry` is a RetryPolicy, True (the default policy) or None/False (one attempt). `api_key`, `tls`,
+    `tls_ca`, `tls_cert`, `tls_key` as `Client` (defaults from TETHER_API_KEY and TETHER_TLS_*).
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
-                 retry: RetryPolicy | Retrier | bool | None = True) -> None:
+                 retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
+                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.timeout = timeout
         self.retrier = make_retrier(retry)
-        self._channel = channel(target)
+        self._conn = resolve(api_key, tls, tls_ca, tls_cert, tls_key)
+        self._channel = open_channel(target, self._conn, aio=True)
         self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
 
     async def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -187,7 +191,7 @@ class AsyncClient:
 
         async def attempt(timeout: float | None) -> dict[str, Any]:
             try:
-                return tags_dict((await self._stub.Tag(request, timeout=timeout)).tags)
+                return tags_dict((await self._stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
         return (await self._with_retries(attempt))[0]
@@ -195,7 +199,7 @@ class AsyncClient:
     async def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
         async def attempt(timeout: float | None) -> GenerateResult:
             try:
-                response = await self._stub.Generate(request, timeout=timeout, metadata=trace_metadata())
+                response = await self._stub.Generate(request, timeout=timeout, metadata=self._metadata())
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -217,10 +221,14 @@ class AsyncClient:
             await _sleep(self.retrier, delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> AsyncStream:
-        metadata = trace_metadata()   # the caller's span where it asked, whenever the attempts run
+        metadata = self._metadata()   # the caller's span where it asked, whenever the attempts run
         return AsyncStream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
                            sent, request_id,
                            self.retrier.begin(self.timeout), self.retrier)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """Every call's metadata: the API key, and the caller's current span (tracecontext.py)."""
+        return call_metadata(self._conn, trace_metadata())
 
     async def close(self) -> None:
         await self._channel.close()

@@ -52,6 +52,15 @@ class ResourceExhausted(TetherError):
         super().__init__(message, code, retry_after)
 
 
+class Unauthenticated(TetherError):
+    """No API key, a garbled one or one admission does not know: pass api_key= or set TETHER_API_KEY."""
+
+
+class PermissionDenied(TetherError):
+    """The API key is valid but may not do this: another tenant than its own, or a priority its tenant may not
+    use (the message names the allowed ones)."""
+
+
 class ReceiptMismatch(TetherError):
     """The answer's receipt does not match the request this client sent: the answer must not be trusted."""
 
@@ -66,6 +75,8 @@ _BY_CODE: dict[grpc.StatusCode, type[TetherError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

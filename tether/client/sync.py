@@ -9,14 +9,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tether.client.credentials import call_metadata, open_channel, resolve
 from tether.client.tracecontext import trace_metadata
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
 from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
                                 result_from_response, sent_and_request, tag_request, tags_dict)
-from tether.grpcutil import KEEPALIVE_OPTIONS, message_options
-from tether import settings
 from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -114,14 +113,21 @@ class Client:
     backoff honouring the server's RetryInfo, a retry budget of 10% of requests), None or False for a single
     attempt. Refused (RESOURCE_EXHAUSTED with RetryInfo), unavailable and aborted calls are retried; a
     result's `.attempts` and an error's `.attempts` / `.gave_up` tell what happened.
+    `api_key`: sent as `authorization: Bearer <key>` on every call (default: $TETHER_API_KEY); admission maps it
+    to your tenant. TLS: `tls_ca` (PEM path verifying admission; default $TETHER_TLS_CA), `tls_cert` and
+    `tls_key` (a client certificate, when admission asks for one; $TETHER_TLS_CERT, $TETHER_TLS_KEY); any of
+    them turns TLS on, `tls=True` with the system's roots, `tls=False` forces plaintext.
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
-                 retry: RetryPolicy | Retrier | bool | None = True) -> None:
+                 retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
+                 tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.timeout = timeout
         self.retrier = make_retrier(retry)
-        self._channel = grpc.insecure_channel(target, options=message_options(settings.GRPC_MAX_MESSAGE_BYTES) + KEEPALIVE_OPTIONS)
+        self._conn = resolve(api_key, tls, tls_ca, tls_cert, tls_key)
+        self._channel = open_channel(target, self._conn)
         self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
 
     def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -180,7 +186,7 @@ class Client:
 
         def attempt(timeout: float | None) -> dict[str, Any]:
             try:
-                return tags_dict((self._stub.Tag(request, timeout=timeout)).tags)
+                return tags_dict((self._stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
         return self._with_retries(attempt)[0]
@@ -188,7 +194,7 @@ class Client:
     def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
         def attempt(timeout: float | None) -> GenerateResult:
             try:
-                response = self._stub.Generate(request, timeout=timeout, metadata=trace_metadata())
+                response = self._stub.Generate(request, timeout=timeout, metadata=self._metadata())
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -211,10 +217,14 @@ class Client:
             sleep(delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> Stream:
-        metadata = trace_metadata()   # the caller's span where it asked, whenever the attempts run
+        metadata = self._metadata()   # the caller's span where it asked, whenever the attempts run
         return Stream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
                       sent, request_id,
                       self.retrier.begin(self.timeout), self.retrier.sleep)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """Every call's metadata: the API key, and the caller's current span (tracecontext.py)."""
+        return call_metadata(self._conn, trace_metadata())
 
     def close(self) -> None:
         self._channel.close()
