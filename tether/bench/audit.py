@@ -65,8 +65,8 @@ def audit_record(lm: reference.LoadedModel, rec: RequestRecord) -> tuple[str, st
     if result.verdict == reference.MISMATCH:
         return result.verdict, (f"output token {result.first_bad_index} (id {rec.token_ids[result.first_bad_index]}) "
                                 f"is not the reference's choice given the served prefix (gap {result.worst_gap:.3g})")
-    # The bench sends no tenant, so the context hash chain is salted with the empty namespace.
-    seq = Sequence("audit", prompt_ids, params, lm.tokenizer, hash_seed(lm.fingerprint, ""),
+    # The bench sends no tenant: the chain is salted with the empty namespace, or an API key's tenant (its tags).
+    seq = Sequence("audit", prompt_ids, params, lm.tokenizer, hash_seed(lm.fingerprint, rec.tags.get("tenant", "")),
                    lm.config.max_position_embeddings)
     for i, tok in enumerate(rec.token_ids):
         if seq.append(tok).finish_reason and i + 1 < len(rec.token_ids):

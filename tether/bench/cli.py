@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=f"127.0.0.1:{settings.ADMISSION_PORT}", metavar="HOST:PORT",
                    help="admission address of a running cluster, e.g. one started by `tether up` "
                         "(default: %(default)s; ignored with --spawn)")
+    g.add_argument("--api-key", metavar="KEY", default=None,
+                   help="API key for --target's admission, when it requires keys (default: $TETHER_API_KEY); "
+                        "the answers are audited under the key's tenant")
     g.add_argument("--spawn", action="store_true",
                    help="start a local cluster (--model, --stages, --threads) for the run and stop it after")
     g.add_argument("--model", default=settings.DEFAULT_MODEL,

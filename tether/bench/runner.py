@@ -59,6 +59,11 @@ class Bench:
         self.probe = probe        # engine Stats and process CPU around each level; None: not measured
         self.variant = variant    # appended to level labels when one invocation runs several clusters
 
+    @property
+    def api_key(self) -> str | None:
+        """--api-key (None: the SDK reads $TETHER_API_KEY); a cluster without keys ignores it."""
+        return getattr(self.args, "api_key", None)
+
     def label(self, level: loadgen.Level) -> str:
         return f"{level.label}, {self.variant}" if self.variant else level.label
 
@@ -89,7 +94,8 @@ class Bench:
         """Warm up, call `after_warm_up` (chaos against --target reads the cluster's counters there), then run
         every level."""
         out = []
-        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
+        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None,
+                               api_key=self.api_key) as client:
             await self.warm_up(client)
             if after_warm_up is not None:
                 after_warm_up()
@@ -103,7 +109,8 @@ class Bench:
         """--find-capacity: warm up, then open-loop levels chosen by the capacity search (each audited)."""
         search = capacity.CapacitySearch(start=self.args.rate or 1.0)
         out = []
-        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
+        async with AsyncClient(self.target, timeout=self.args.timeout, retry=None,
+                               api_key=self.api_key) as client:
             await self.warm_up(client)
             while (rate := search.next_rate()) is not None:
                 level = await self.measured_level(client, loadgen.Level("open", rate=rate))
@@ -152,7 +159,8 @@ class Bench:
                          label: str) -> loadgen.LevelRun:
         """One chaos run's load on the cluster at `target`: no warm-up (every request counts), and the same
         request sequence for every run, so runs differ only in their faults."""
-        async with AsyncClient(target, timeout=self.args.timeout, retry=None) as client:
+        async with AsyncClient(target, timeout=self.args.timeout, retry=None,
+                               api_key=self.api_key) as client:
             return await self.level(client, level, budget, "chaos", label)
 
     def run_baselines(self) -> dict:
@@ -212,5 +220,5 @@ class Bench:
         level = loadgen.Level("closed", concurrency=self.args.batch_size)
         budget = loadgen.Budget(num_requests=self.args.baseline_requests)
         async with self.progress(f"baseline set #{repeat + 1}", budget) as bar, \
-                AsyncClient(self.target, timeout=self.args.timeout, retry=None) as client:
+                AsyncClient(self.target, timeout=self.args.timeout, retry=None, api_key=self.api_key) as client:
             return await loadgen.closed_loop(client, requests, level, budget, bar.update)
