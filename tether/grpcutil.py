@@ -1,4 +1,5 @@
-"""gRPC plumbing every service shares: server setup with health and reflection, channels, shutdown.
+"""gRPC plumbing every service shares: server setup with health and reflection, channels, shutdown, and
+transport security (tether/security/: TLS credentials, the authorization interceptor).
 
 Each service sizes its own messages (settings: stages carry activation frames, the coordinator token ids,
 admission one prompt), so a peer cannot make a small-message service buffer 64 MiB.
@@ -16,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tether import settings
+from tether.security.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +50,45 @@ def server_options(max_message_bytes: int, max_connection_age_s: float | None) -
     return options
 
 
-def channel(target: str, max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=message_options(max_message_bytes) + KEEPALIVE_OPTIONS)
+def channel(target: str, max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES,
+            tls: TlsConfig | None = None, server_name: str | None = None) -> grpc.aio.Channel:
+    """A channel from one service to another: with `tls`, verified against its CA and presenting its certificate;
+    `server_name` is the name the peer's certificate must carry when `target` is an address it does not name."""
+    options = message_options(max_message_bytes) + KEEPALIVE_OPTIONS
+    if tls is not None and server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
 
 
 class Server:
-    """A grpc.aio server with health checking and reflection; `wait_for_signal()` runs until SIGINT/SIGTERM."""
+    """A grpc.aio server with health checking and (unless reflection=False) reflection; `wait_for_signal()` runs
+    until SIGINT/SIGTERM. With `tls` it serves TLS (mutual unless the config says otherwise); without, plaintext,
+    and it says so once, loudly. `interceptors` (e.g. tether.security.authz.AuthzInterceptor) see every call."""
 
     def __init__(self, host: str, port: int, service_names: Iterable[str],
                  max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES,
-                 max_connection_age_s: float | None = None) -> None:
-        self.server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
+                 max_connection_age_s: float | None = None, tls: TlsConfig | None = None,
+                 reflection_on: bool = True, interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s),
+                                      interceptors=list(interceptors) or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = list(service_names)
-        reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        if reflection_on:
+            reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.names = names
         self.address = f"{host}:{port}"
-        bound = self.server.add_insecure_port(self.address)
+        self.tls = tls
+        if tls is None:
+            log.warning("PLAINTEXT: %s serves %s without TLS and without authentication: anyone who can reach "
+                        "the port can call every method. Only on a trusted network; see --tls-cert "
+                        "(`tether certs init`)", self.address, ", ".join(names))
+            bound = self.server.add_insecure_port(self.address)
+        else:
+            log.info("%s serves %s over %s", self.address, ", ".join(names), tls.describe())
+            bound = self.server.add_secure_port(self.address, tls.server_credentials())
         if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
         self.port = bound

@@ -18,6 +18,7 @@ from services.admission.validate import ModelLimits
 from tether import settings, supervise, telemetry
 from tether.procutil import follow_parent
 from tether.grpcutil import Server
+from tether.security import tls
 from tether.telemetry import logs, metrics, tracing
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: %(default)s)")
     telemetry.add_flags(p)
+    tls.add_flags(p, public=True)
+    p.add_argument("--reflection", action="store_true",
+                   help="serve gRPC server reflection on this public port (off by default: it lists every method to "
+                        "anyone; the internal services keep it for operators' tools)")
     return p
 
 
@@ -103,9 +108,10 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         log.warning("tenants are unauthenticated: no API key is configured (api_keys_sha256 in --tenants FILE), "
                     "so each request's tenant (cache namespace, limits) and priority are whatever its caller claims")
-    pipelines = Pipelines(args.coordinator, fingerprint, CoordinatorSession, args.route_policy)
+    pipelines = Pipelines(args.coordinator, fingerprint, CoordinatorSession, args.route_policy, tls=args.tls)
     server = Server(args.host, args.port, [SERVICE_NAME], max_message_bytes=settings.ADMISSION_MAX_MESSAGE_BYTES,
-                    max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S)
+                    max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S, tls=args.tls,
+                    reflection_on=args.reflection)
     registry = metrics.new_registry() if args.metrics_port else None
     servicer = AdmissionServicer(pipelines, limits, fingerprint, args.max_concurrent,
                                  args.max_request_seconds, work=work, tenant_limits=tenant_limits,
@@ -139,7 +145,12 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.tls = tls.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     follow_parent()
     logs.configure("admission", args.log_level, args.log_format)
     tracing.configure("admission", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*

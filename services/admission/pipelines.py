@@ -26,6 +26,7 @@ from services.admission.limits import Refusal, shed_by_deadline
 from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
 from tether import settings, supervise
 from tether.grpcutil import channel
+from tether.security.tls import TlsConfig
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,12 @@ class PipelineLink:
     """One coordinator, as admission sees it."""
 
     def __init__(self, address: str, roles: frozenset[str], session_factory: Callable, fingerprint: str,
-                 breaker: CircuitBreaker | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, tls: TlsConfig | None = None,
+                 server_name: str | None = None) -> None:
         self.address = address
-        self.channel = channel(address, settings.COORDINATOR_MAX_MESSAGE_BYTES)
+        # With TLS: verified against the CA, presenting admission's certificate (the only caller a coordinator
+        # serves); a pipeline discovered by IP is verified under its DNS name (`server_name`).
+        self.channel = channel(address, settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=tls, server_name=server_name)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.session = session_factory(self.stub)
         self.fingerprint = fingerprint
@@ -136,11 +140,13 @@ class Pipelines:
 
     def __init__(self, coordinators: list[tuple[str, frozenset[str]]], fingerprint: str,
                  session_factory: Callable, policy: str = "features",
-                 watch_interval_s: float = settings.LOAD_REPORT_INTERVAL_S) -> None:
-        self.fingerprint, self.session_factory = fingerprint, session_factory
+                 watch_interval_s: float = settings.LOAD_REPORT_INTERVAL_S, tls: TlsConfig | None = None) -> None:
+        self.fingerprint, self.session_factory, self.tls = fingerprint, session_factory, tls
         self.names = [(a.removeprefix(DNS_PREFIX), roles) for a, roles in coordinators if a.startswith(DNS_PREFIX)]
-        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint)
+        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint, tls=tls)
                       for a, roles in coordinators if not a.startswith(DNS_PREFIX)}
+        # Discovered pipelines are pod addresses: their certificates name the DNS name they were found under.
+        self.discovered_name = self.names[0][0].rpartition(":")[0] if self.names else None
         self.router = Router(policy)
         self.watch_interval_s = watch_interval_s
         self.changed = asyncio.Event()           # a pipeline's routability changed (admission's health follows)
@@ -166,8 +172,9 @@ class Pipelines:
         once; gone ones take no new requests and are closed when their last request ends."""
         for address, roles in resolved.items():
             if address not in self.links:
-                link = self.retired.pop(address, None) or PipelineLink(address, roles, self.session_factory,
-                                                                       self.fingerprint)
+                link = self.retired.pop(address, None) or PipelineLink(
+                    address, roles, self.session_factory, self.fingerprint, tls=self.tls,
+                    server_name=self.discovered_name)
                 link.discovered = True
                 self.links[address] = link
                 self._follow(link)

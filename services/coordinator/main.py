@@ -14,6 +14,7 @@ from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
+from tether.security import authz, tls
 from tether.telemetry import logs, metrics, tracing
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_flags(p, "the frames this coordinator sends")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     telemetry.add_flags(p)
+    tls.add_flags(p)
+    p.epilog = ("With TLS (mutual), Submit, Session, Cancel and Watch are taken from admission only and Stats from "
+                "an operator certificate (or admission); other callers get PERMISSION_DENIED. Its calls to the "
+                "stages present --tls-cert (the coordinator identity), which is what they accept handshakes from.")
     return p
 
 
@@ -66,9 +71,11 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     fingerprint = model_fingerprint(folder)
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
-    pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config))
+    pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config), tls=args.tls)
+    guard = [authz.AuthzInterceptor()] if args.tls is not None else []   # who may call what (mutual TLS only)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"],
-                             max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES)
+                             max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=args.tls,
+                             interceptors=guard)
     engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving, stream_idle_s=args.stream_idle,
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure("coordinator", args.log_level, args.log_format)
     tracing.configure("coordinator", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     args.fault_config = experiment_config(parser, args, log)
+    try:
+        args.tls = tls.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     try:
         asyncio.run(serve(args))
     except (FileNotFoundError, ValueError, OSError) as e:

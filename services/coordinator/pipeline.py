@@ -12,6 +12,7 @@ import grpc
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults
 from tether.protocol.hashing import frame_digest
+from tether.security.tls import TlsConfig
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,13 +24,14 @@ class PipelineDown(Exception):
 
 class Pipeline:
     def __init__(self, addresses: list[str], fingerprint: str, dtype: str,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tls: TlsConfig | None = None) -> None:
         if not addresses:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.fingerprint = fingerprint
         self.dtype = dtype
-        self.channels = {a: grpcutil.channel(a) for a in addresses}
+        # With TLS every call presents our certificate: the stages take handshakes and frames from it alone.
+        self.channels = {a: grpcutil.channel(a, tls=tls) for a in addresses}
         self.epoch = 0
         self.stages: list[stage_pb2.StageInfo] = []
         self.call = None

@@ -15,6 +15,7 @@ from tether.procutil import follow_parent
 from tether.faults import FaultInjector, add_experiment_flags, experiment_config
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
+from tether.security import authz, tls
 from tether.telemetry import logs, metrics, tracing
 
 log = logging.getLogger("stage")
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_flags(p, "this stage's traffic (the frames it forwards, the replies it answers)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     telemetry.add_flags(p)
+    tls.add_flags(p)
+    p.epilog = ("With TLS (mutual), Handshake is taken from the coordinator (stage 0) or a stage (relayed), Forward "
+                "only from the peer of the handshake accepted last, SyncState and Release from the coordinator, "
+                "Stats from the coordinator or an operator certificate; other callers get PERMISSION_DENIED.")
     return p
 
 
@@ -72,15 +77,19 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
              kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     fingerprint = model_fingerprint(folder)
-    server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"])
-    address = f"{args.host}:{server.port}"
     checks = not args.unsafe_disable_stamp_checks
     worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=args.dtype, stamp_checks=checks,
                          limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
+    # Who may call what, with mutual TLS only (plaintext has no identities); refusals count in Stats.
+    guard = authz.AuthzInterceptor(on_refusal=lambda method, why: worker.refusals.update(["PERMISSION_DENIED"]))
+    server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"], tls=args.tls,
+                             interceptors=[guard] if args.tls is not None else ())
+    address = f"{args.host}:{server.port}"
     faults = FaultInjector(args.fault_config)
     servicer = StageServicer(worker, fingerprint, address, kv_capacity, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
-                             max_streams_per_peer=args.max_streams_per_peer)
+                             max_streams_per_peer=args.max_streams_per_peer, tls=args.tls)
+    guard.state = servicer   # Forward is allowed from servicer.handshake_peer
     from tether.v1 import stage_pb2, stage_pb2_grpc
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     await server.start()
@@ -113,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure("stage", args.log_level, args.log_format)
     tracing.configure("stage", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     args.fault_config = experiment_config(parser, args, log)
+    try:
+        args.tls = tls.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -27,6 +27,9 @@ from google.protobuf.message import DecodeError
 from services.stage_worker.worker import StageTraces, StageWorker, StepOutcome
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults
+from tether.security import identity
+from tether.security.identity import Identity
+from tether.security.tls import TlsConfig
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
@@ -41,8 +44,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                  lease_s: float = settings.KV_LEASE_S, faults: FaultInjector | None = None,
                  stream_idle_s: float = settings.STREAM_IDLE_S,
                  max_streams: int = settings.MAX_FORWARD_STREAMS,
-                 max_streams_per_peer: int = settings.MAX_STREAMS_PER_PEER) -> None:
+                 max_streams_per_peer: int = settings.MAX_STREAMS_PER_PEER, tls: TlsConfig | None = None) -> None:
         self.worker = worker
+        self.tls = tls                                    # for the channel to the next stage (our certificate)
+        # Who sent the handshake accepted last (None in plaintext): the only peer whose frames are served
+        # (tether/security/authz.py reads it).
+        self.handshake_peer: Identity | None = None
         self.model = worker.model
         self.fingerprint = fingerprint
         self.address = address
@@ -69,11 +76,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return f"stage {self.worker.index} ({self.address})"
 
     # --- handshake ------------------------------------------------------------------------------------
-    def info(self) -> stage_pb2.StageInfo:
+    def info(self, disclose: bool = True) -> stage_pb2.StageInfo:
+        """This stage as a handshake reply describes it; without `disclose`, no model fingerprint (a refused
+        peer that is not an authenticated coordinator or stage must not learn what to send next time)."""
         m = self.model
         return stage_pb2.StageInfo(
             address=self.address, layer_start=m.layer_start, layer_end=m.layer_end, has_embedding=m.has_embedding,
-            has_head=m.has_head, model_fingerprint=self.fingerprint, protocol_version=settings.PROTOCOL_VERSION,
+            has_head=m.has_head, model_fingerprint=self.fingerprint if disclose else "",
+            protocol_version=settings.PROTOCOL_VERSION,
             kv_capacity_tokens=self.kv_capacity, num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
             max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
             max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens)
@@ -84,7 +94,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if req.protocol_version != settings.PROTOCOL_VERSION:
             return f"{who} speaks protocol v{settings.PROTOCOL_VERSION}, coordinator v{req.protocol_version}"
         if req.model_fingerprint != self.fingerprint:
-            return f"{who} loaded model {self.fingerprint}, coordinator expects {req.model_fingerprint}"
+            # the stage's own fingerprint is not said: a peer that does not know it must not learn it here
+            return f"{who} loaded another model: the fingerprints differ (the coordinator expects {req.model_fingerprint})"
         if req.dtype and req.dtype != self.worker.dtype:
             return f"{who} runs {self.worker.dtype}, coordinator expects {req.dtype}"
         if req.index >= len(req.route):
@@ -102,17 +113,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return None
 
     async def Handshake(self, request, context):
+        peer = identity.of_peer(context)   # with mutual TLS authz already checked its role; plaintext: None
         refusal = self._refusal(request)
         if refusal:
             log.warning("handshake refused: %s", refusal)
-            return stage_pb2.HandshakeReply(ok=False, error=refusal, stages=[self.info()])
+            # our fingerprint only to an authenticated pipeline peer (never in plaintext)
+            disclose = peer is not None and peer.role in ("coordinator", "stage")
+            return stage_pb2.HandshakeReply(ok=False, error=refusal, stages=[self.info(disclose)])
         stages = [self.info()]
         if request.index + 1 < len(request.route):
             nxt = request.route[request.index + 1].address
             if nxt != self.next_address:
                 if self.next_channel is not None:
                     await self.next_channel.close()
-                self.next_channel, self.next_address = grpcutil.channel(nxt), nxt
+                self.next_channel, self.next_address = grpcutil.channel(nxt, tls=self.tls), nxt
             down = stage_pb2.HandshakeRequest()
             down.CopyFrom(request)
             down.index = request.index + 1
@@ -127,6 +141,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if not reply.ok:
                 return stage_pb2.HandshakeReply(ok=False, error=reply.error, stages=stages)
         self.pipeline_epoch = request.pipeline_epoch
+        self.handshake_peer = peer
         self.worker.index = request.index
         if request.coordinator_instance != self.coordinator_instance:
             if self.coordinator_instance is not None:
