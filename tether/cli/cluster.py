@@ -3,7 +3,9 @@
 Each service is its own process talking gRPC on loopback, launched with exactly the command a container
 runs (see docker-compose.yml). Readiness is the admission's gRPC health (SERVING only once the coordinator
 has assembled its pipeline), never a sleep. Children die with the parent (tether/procutil.py) and are
-stopped with SIGTERM, then SIGKILL after a grace period: no orphans.
+stopped with SIGTERM, then SIGKILL after a grace period: no orphans. With `tls=True` every service gets its own
+certificate from a `tether certs init` folder (made if missing) and the cluster runs mutual TLS between
+services (docs/PROTOCOL.md, "Transport security").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import settings
 from tether.procutil import PARENT_ENV
+from tether.security import certs, tls as tls_config
 from tether.model.config import ModelConfig, even_split
 from tether.model.loader import resolve_model
 
@@ -70,19 +73,22 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
                      coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
                      threads: int = 0, extra: dict[str, list[str]] | None = None,
                      metrics_ports: dict[str, int] | None = None, pipelines: int = 1,
-                     coordinator_ports: list[int] | None = None) -> list[Service]:
+                     coordinator_ports: list[int] | None = None, tls_dir: Path | None = None) -> list[Service]:
     """The commands of a cluster, in start order (each pipeline's stages and coordinator, then admission).
     Pipeline k's stage i listens on stage_ports[k * stages + i] and its coordinator on coordinator_port + k
     (or coordinator_ports[k]). `metrics_ports` (service name -> port, e.g. default_metrics_ports()) turns on
-    every service's /metrics; None leaves them off."""
+    every service's /metrics; None leaves them off. `tls_dir` (a `tether certs init` folder) gives every service
+    its certificate: stage i of any pipeline stage-i's, the coordinators coordinator's, admission admission's."""
     stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages * pipelines)]
     coordinator_ports = coordinator_ports or [coordinator_port + k for k in range(pipelines)]
     extra = extra or {}
     py = [sys.executable, "-m"]
     services = []
 
-    def add(name: str, argv: list[str], port: int, role: str) -> None:
+    def add(name: str, argv: list[str], port: int, role: str, cert: str) -> None:
         svc = Service(name, argv, f"{host}:{port}")
+        if tls_dir is not None:
+            svc.argv += tls_config.service_flags(tls_dir, cert)
         if metrics_ports is not None:
             svc.argv += ["--metrics-port", str(metrics_ports[name])]
             svc.metrics_address = f"{host}:{metrics_ports[name]}"
@@ -97,14 +103,14 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
                          "--layers", f"{i}/{stages}"]
             if threads:
                 argv += ["--threads", str(threads)]
-            add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage")
+            add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage", f"stage-{i}")
         route = ",".join(s.address for s in services[first:])
         add(f"{pipeline_prefix(k)}coordinator", py + ["services.coordinator", "--host", host, "--port",
                                                       str(coordinator_ports[k]), "--model", model, "--stages", route],
-            coordinator_ports[k], "coordinator")
+            coordinator_ports[k], "coordinator", "coordinator")
     coordinators = ",".join(f"{host}:{p}" for p in coordinator_ports)
     add("admission", py + ["services.admission", "--host", host, "--port", str(admission_port), "--model", model,
-                           "--coordinator", coordinators], admission_port, "admission")
+                           "--coordinator", coordinators], admission_port, "admission", "admission")
     return services
 
 
@@ -122,6 +128,8 @@ class LocalCluster:
     metrics: bool = False            # every service serves /metrics: on free ports when the gRPC ports are
                                      # free ones, else on default_metrics_ports()
     extra: dict[str, list[str]] = field(default_factory=dict)
+    tls: bool = False                # mutual TLS between services, certificates from tls_dir
+    tls_dir: Path | None = None      # a `tether certs init` folder; None with tls: one is made (log_dir/tls or a temp dir)
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -133,6 +141,11 @@ class LocalCluster:
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
         folder = resolve_model(self.model)      # generate a preset once, before children race for it
+        if self.tls:
+            if self.tls_dir is None:
+                self.tls_dir = (self.log_dir / "tls") if self.log_dir is not None else \
+                    Path(tempfile.mkdtemp(prefix="tether-tls-"))
+            certs.init(self.tls_dir, stages=self.stages)   # the CA and what is missing; existing files are kept
         num_layers = ModelConfig.from_folder(folder).num_hidden_layers
         even_split(num_layers, self.stages)     # fail early with a clear message
         free = self.admission_port == 0
@@ -148,7 +161,8 @@ class LocalCluster:
             admission_port=ports[0] if free else self.admission_port,
             coordinator_port=self.coordinator_port, coordinator_ports=ports[1:1 + n] if free else None,
             stage_ports=ports[1 + n:] if free else [self.stage_port + i for i in range(n * stages)],
-            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports, pipelines=n)
+            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports, pipelines=n,
+            tls_dir=self.tls_dir if self.tls else None)
         for svc in self.services:
             self.spawn(svc)
         self.wait_ready(timeout)
@@ -171,7 +185,7 @@ class LocalCluster:
         """Block until the service reports SERVING (for admission: the whole pipeline is up)."""
         svc = self.service(name)
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(svc.address) as ch:
+        with self.channel(name) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 for s in self.services:
@@ -184,6 +198,16 @@ class LocalCluster:
                     pass
                 time.sleep(0.1)
         raise TimeoutError(f"{name} at {svc.address} not SERVING after {timeout:.0f}s\n{svc.log_tail()}")
+
+    def channel(self, name: str, cert: str | None = "operator") -> grpc.Channel:
+        """A blocking channel to service `name`; with TLS verified against the cluster's CA and presenting
+        certificate `cert` of its folder (None: none)."""
+        address = self.service(name).address
+        if not self.tls:
+            return grpc.insecure_channel(address)
+        assert self.tls_dir is not None
+        key = (self.tls_dir / f"{cert}.pem", self.tls_dir / f"{cert}.key") if cert else (None, None)
+        return grpc.secure_channel(address, tls_config.client_channel_credentials(certs.ca_path(self.tls_dir), *key))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         svc = self.service(name)

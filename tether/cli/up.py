@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                    help="write each service's output to DIR/NAME.log instead of this terminal; a child that "
                         "makes the launcher give up then has its last log lines shown")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS between the services and per-method authorization, TLS on the public port: "
+                        "certificates from --tls-dir, made there (or in LOG_DIR/tls, else a temporary folder) by "
+                        "`tether certs init` when missing. Without it every port is plaintext and unauthenticated")
+    p.add_argument("--tls-dir", type=Path, default=None, metavar="DIR",
+                   help="the `tether certs init` folder to take certificates from (implies --tls)")
     return p
 
 
@@ -106,13 +112,20 @@ def _show(asked: str, params: dict, r) -> None:
           f"  receipt: request {r.receipt.internal_id} context hash {r.receipt.context_hash:016x}", flush=True)
 
 
-def run_demo(target: str, model: str = settings.DEFAULT_MODEL) -> None:
-    """A few real answers (conversations on a model with a chat template), or raw prompts on a random preset."""
+def _client(target: str, tls_dir: Path | None):
+    """The SDK client of the demo; over TLS (verifying the cluster's CA) when the cluster runs it."""
     from tether.client import Client
+    if tls_dir is None:
+        return Client(target, timeout=300)
+    return Client(target, timeout=300, tls_ca=str(tls_dir / "ca.pem"))
+
+
+def run_demo(target: str, model: str = settings.DEFAULT_MODEL, tls_dir: Path | None = None) -> None:
+    """A few real answers (conversations on a model with a chat template), or raw prompts on a random preset."""
     from tether.model.chat_template import load_chat_template
     from tether.model.loader import resolve_model
 
-    with Client(target, timeout=300) as client:
+    with _client(target, tls_dir) as client:
         if load_chat_template(resolve_model(model)) is None:
             for prompt, params in DEMO_PROMPTS:
                 _show(prompt, params, client.generate(prompt, **params))
@@ -144,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = LocalCluster(model=args.model, stages=args.stages, pipelines=args.pipelines, host=args.host,
                            admission_port=args.port,
                            coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
-                           log_dir=args.log_dir, metrics=args.metrics, extra=log_format_extra(args.log_format))
+                           log_dir=args.log_dir, metrics=args.metrics, extra=log_format_extra(args.log_format),
+                           tls=args.tls or args.tls_dir is not None, tls_dir=args.tls_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -157,8 +171,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {svc.name:<15} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
+        if cluster.tls:
+            print(f"TLS: certificates in {cluster.tls_dir}; clients verify the server with its CA "
+                  f"(`tether generate --tls-ca {cluster.tls_dir / 'ca.pem'} ...`); operator.pem/.key may call Stats "
+                  f"on the internal services", flush=True)
         if args.demo:
-            run_demo(cluster.target, args.model)
+            run_demo(cluster.target, args.model, cluster.tls_dir if cluster.tls else None)
         # Supervise from this (the spawning) thread: children die with it (PR_SET_PDEATHSIG, tether/procutil.py).
         supervisor = Supervisor(cluster, policy, time.monotonic(), say=lambda m: print(m, flush=True))
         while not stop.wait(POLL_S):
