@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", metavar="KEY", default=None,
                    help="API key for --target's admission, when it requires keys (default: $TETHER_API_KEY); "
                         "the answers are audited under the key's tenant")
+    g.add_argument("--tls-ca", metavar="PEM", default=None,
+                   help="CA certificate that verifies --target's admission; any --tls-* turns TLS on "
+                        "(default: $TETHER_TLS_CA)")
+    g.add_argument("--tls-cert", metavar="PEM", default=None,
+                   help="client certificate, when admission requires one (default: $TETHER_TLS_CERT)")
+    g.add_argument("--tls-key", metavar="PEM", default=None,
+                   help="the private key of --tls-cert (default: $TETHER_TLS_KEY)")
     g.add_argument("--spawn", action="store_true",
                    help="start a local cluster (--model, --stages, --threads) for the run and stop it after")
     g.add_argument("--model", default=settings.DEFAULT_MODEL,

@@ -60,9 +60,10 @@ class Bench:
         self.variant = variant    # appended to level labels when one invocation runs several clusters
 
     @property
-    def api_key(self) -> str | None:
-        """--api-key (None: the SDK reads $TETHER_API_KEY); a cluster without keys ignores it."""
-        return getattr(self.args, "api_key", None)
+    def credentials(self) -> dict:
+        """AsyncClient's api_key and TLS files from --api-key and --tls-* (None: the SDK reads $TETHER_API_KEY and
+        $TETHER_TLS_*); a cluster without keys ignores the key."""
+        return {k: getattr(self.args, k, None) for k in ("api_key", "tls_ca", "tls_cert", "tls_key")}
 
     def label(self, level: loadgen.Level) -> str:
         return f"{level.label}, {self.variant}" if self.variant else level.label
@@ -95,7 +96,7 @@ class Bench:
         every level."""
         out = []
         async with AsyncClient(self.target, timeout=self.args.timeout, retry=None,
-                               api_key=self.api_key) as client:
+                               **self.credentials) as client:
             await self.warm_up(client)
             if after_warm_up is not None:
                 after_warm_up()
@@ -110,7 +111,7 @@ class Bench:
         search = capacity.CapacitySearch(start=self.args.rate or 1.0)
         out = []
         async with AsyncClient(self.target, timeout=self.args.timeout, retry=None,
-                               api_key=self.api_key) as client:
+                               **self.credentials) as client:
             await self.warm_up(client)
             while (rate := search.next_rate()) is not None:
                 level = await self.measured_level(client, loadgen.Level("open", rate=rate))
@@ -160,7 +161,7 @@ class Bench:
         """One chaos run's load on the cluster at `target`: no warm-up (every request counts), and the same
         request sequence for every run, so runs differ only in their faults."""
         async with AsyncClient(target, timeout=self.args.timeout, retry=None,
-                               api_key=self.api_key) as client:
+                               **self.credentials) as client:
             return await self.level(client, level, budget, "chaos", label)
 
     def run_baselines(self) -> dict:
@@ -220,5 +221,5 @@ class Bench:
         level = loadgen.Level("closed", concurrency=self.args.batch_size)
         budget = loadgen.Budget(num_requests=self.args.baseline_requests)
         async with self.progress(f"baseline set #{repeat + 1}", budget) as bar, \
-                AsyncClient(self.target, timeout=self.args.timeout, retry=None, api_key=self.api_key) as client:
+                AsyncClient(self.target, timeout=self.args.timeout, retry=None, **self.credentials) as client:
             return await loadgen.closed_loop(client, requests, level, budget, bar.update)

@@ -1,0 +1,155 @@
+"""What zero trust costs: `tether bench` throughput of a secure cluster divided by a plaintext one, side by side.
+
+The secure cluster runs this tree with mutual TLS between every service (`LocalCluster(tls=True)`, the
+certificates of `tether certs init`), TLS on the public port and an API key required (a tenants file with one
+key), and keyed stamps (always on in this tree). The plaintext cluster is, by default, this tree without TLS or
+keys: the ratio is then what TLS and API keys cost. With --baseline-tree DIR (e.g. `git worktree add
+/tmp/before <commit before keyed stamps>`) the plaintext cluster is that tree's own `tether up`, so the ratio
+also includes the keyed stamps. Both clusters run for the whole run; each repeat loads both at the same time
+with the same `tether bench` level, so whatever else loads the shared machine loads both alike. The figure is
+the median over repeats of secure / plaintext output-token throughput; every answer of both is audited.
+
+    .venv/bin/python bench/security_overhead.py                                # TLS + API keys, 5 repeats
+    git worktree add /tmp/before 390d395 && .venv/bin/python bench/security_overhead.py --baseline-tree /tmp/before
+
+Figures: docs/PERFORMANCE.md, "Security overhead".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP threads starve the other processes
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from services.admission.auth import key_digest  # noqa: E402
+from tether.cli.cluster import LocalCluster, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(target: str, args: argparse.Namespace, out: Path, credentials: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "tether.cli.main", "bench", "--target", target, "--model", args.model,
+           "--stages", str(args.stages), "--threads", str(args.threads), "--concurrency", str(args.concurrency),
+           "--num-requests", str(args.num_requests), "--warmup", "4", "--workload", "synthetic",
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", "0",
+           "--audit", "--out", str(out), "--quiet", *credentials]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    (level,) = json.loads((out / "report.json").read_text())["levels"]
+    s = level["summary"]
+    assert s["completed"] == s["requests"], f"{s['requests'] - s['completed']} request(s) failed"
+    audit = level.get("audit") or {}
+    assert not audit.get("mismatch"), f"audit mismatches: {audit}"
+    return s
+
+
+class TreeCluster:
+    """Another tree's own `tether up` (plaintext), on free ports, ready once its admission's health serves."""
+
+    def __init__(self, tree: Path, args: argparse.Namespace, logs: Path) -> None:
+        self.tree, self.args, self.logs = tree.resolve(), args, logs
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "tether.cli.main", "up", "--model", self.args.model, "--stages",
+               str(self.args.stages), "--threads", str(self.args.threads), "--port", str(self.port),
+               "--coordinator-port", str(free_port()), "--stage-port", str(free_port()), "--log-dir", str(self.logs)]
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}   # and cwd: its own tether and services, not ours
+        self.proc = subprocess.Popen(cmd, cwd=self.tree, env=env, stdout=open(self.logs / "up.log", "ab"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.tree}: tether up exited {self.proc.returncode} (see {self.logs})")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"{self.tree}: not serving after {timeout} s (see {self.logs})")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="the model both clusters serve (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=2, help="stages per cluster (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="simultaneous pairs (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop users (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per run (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (default: %(default)s)")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="a checkout (with its protos generated) whose `tether up` is the plaintext side")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+
+    logs = Path(tempfile.mkdtemp(prefix="tether-security-overhead-"))
+    key = "tk_" + secrets.token_urlsafe(32)
+    tenants = logs / "tenants.toml"
+    tenants.write_text(f'[tenants.bench]\napi_keys_sha256 = ["{key_digest(key)}"]\n')
+    secure = LocalCluster(model=args.model, stages=args.stages, threads=args.threads, log_dir=logs / "secure",
+                          tls=True, extra={"admission": ["--tenants", str(tenants)]})
+    plain = TreeCluster(args.baseline_tree, args, logs / "plain") if args.baseline_tree else \
+        LocalCluster(model=args.model, stages=args.stages, threads=args.threads, log_dir=logs / "plain")
+    pairs = []
+    try:
+        plain.start(timeout=300)
+        secure.start(timeout=300)
+        credentials = {"plain": [], "secure": ["--tls-ca", str(secure.tls_dir / "ca.pem"), "--api-key", key]}
+        for r in range(args.repeats):
+            result: dict[str, dict] = {}
+            threads = [threading.Thread(target=lambda side=side, c=c: result.__setitem__(
+                side, bench(c.target, args, logs / f"bench-{r}-{side}", credentials[side])))
+                for side, c in (("plain", plain), ("secure", secure))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert set(result) == {"plain", "secure"}, "a bench run failed (its error is above)"
+            off, on = (result[s]["output_token_throughput"] for s in ("plain", "secure"))
+            pairs.append(dict(plain=off, secure=on, ratio=on / off))
+            print(f"repeat {r + 1}/{args.repeats}: plaintext {off:.1f} tok/s, secure {on:.1f} tok/s, "
+                  f"secure/plaintext {on / off:.3f}", flush=True)
+    finally:
+        secure.stop()
+        plain.stop()
+    ratios = [x["ratio"] for x in pairs]
+    summary = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios),
+                   pairs=pairs, args={k: str(v) for k, v in vars(args).items()})
+    what = "TLS + API keys + keyed stamps" if args.baseline_tree else "TLS + API keys"
+    print(f"{what}: secure / plaintext output tokens/s: median {summary['median_ratio']:.3f} "
+          f"(min {summary['min_ratio']:.3f}, max {summary['max_ratio']:.3f}) over {len(ratios)} pairs", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
