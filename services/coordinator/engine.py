@@ -31,7 +31,6 @@ from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.scheduler import Request, Scheduler
 from tether import settings
 from tether.engine.sequence import TokenOut
-from tether.protocol.hashing import token_hash
 from tether.telemetry import tracing
 from tether.v1 import common_pb2, stage_pb2
 
@@ -457,8 +456,7 @@ class Engine:
                 self.sched.confirmed(req)   # a prefill chunk landed on every stage; the next chunk follows
         elif not res.has_token:
             self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
-        elif self.stamp_checks and res.token_hash != token_hash(req.seq.hasher.peek([res.token_id]), req.id,
-                                                                req.sampling_digest):
+        elif self.stamp_checks and res.token_hash != self._token_mac(req, res.token_id):
             self._rebuild(req, "TOKEN_HASH_MISMATCH", "the token does not extend the chain it was sampled from")
         else:
             self.sched.confirmed(req)
@@ -479,6 +477,12 @@ class Engine:
                 if req.recoveries:
                     self.counters.recovered += 1
                 self._finish(req, None)
+
+    def _token_mac(self, req: Request, token_id: int) -> int:
+        """The keyed token hash a last stage holding this epoch's stamp key returns for `token_id`."""
+        sent = req.sent
+        return self.pipeline.stamp_key.token_mac(req.seq.hasher.peek([token_id]), req.id, sent.epoch,
+                                                 sent.position + len(sent.token_ids), req.sampling_digest, token_id)
 
     def _prefix_miss(self, req: Request, detail: str) -> None:
         """A stage could not confirm the cached prefix the ledger predicted: replay the request cold (not

@@ -11,8 +11,8 @@ import grpc
 
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults
-from tether.protocol.hashing import frame_digest
 from tether.security.tls import TlsConfig
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class Pipeline:
         # With TLS every call presents our certificate: the stages take handshakes and frames from it alone.
         self.channels = {a: grpcutil.channel(a, tls=tls) for a in addresses}
         self.epoch = 0
+        self.stamp_key = StampKey.generate()   # replaced at every handshake; only stages of that handshake know it
         self.stages: list[stage_pb2.StageInfo] = []
         self.call = None
         self.seq = 0
@@ -58,10 +59,11 @@ class Pipeline:
     async def connect(self) -> None:
         """Handshake down the chain under a fresh pipeline epoch, then open the Forward stream."""
         epoch = secrets.randbits(63) or 1
+        key = StampKey.generate()   # a fresh secret per pipeline epoch: stamps of an older one are worthless
         req = stage_pb2.HandshakeRequest(
             protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=self.fingerprint,
             route=[stage_pb2.RouteEntry(address=a) for a in self.addresses], index=0, prev_layer_end=0,
-            pipeline_epoch=epoch, dtype=self.dtype, coordinator_instance=self.instance)
+            pipeline_epoch=epoch, dtype=self.dtype, coordinator_instance=self.instance, stamp_key=key.key)
         stub = stage_pb2_grpc.StageStub(self.channels[self.addresses[0]])
         try:
             reply = await stub.Handshake(req, timeout=15)
@@ -71,13 +73,14 @@ class Pipeline:
             raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
         if not reply.ok:
             raise PipelineDown(f"pipeline refused: {reply.error}")
-        self.epoch, self.stages, self.seq = epoch, list(reply.stages), 0
+        self.epoch, self.stages, self.seq, self.stamp_key = epoch, list(reply.stages), 0, key
         self.call = stub.Forward()
 
     async def send(self, slots: list[stage_pb2.Slot]) -> int:
         self.seq += 1
+        self.stamp_key.sign(slots)   # before any fault injection: a faulted stamp must not be re-signed
         frame = stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
-                                payload_digest=frame_digest(b"", slots))
+                                payload_digest=self.stamp_key.frame_digest(b"", slots))
         if not self.faults.enabled:
             await self._write(frame)
             return self.seq

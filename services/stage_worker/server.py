@@ -30,6 +30,7 @@ from tether.faults import FaultInjector, OutboundFaults
 from tether.security import identity
 from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
+from tether.protocol.stamp_key import KEY_BYTES, StampKey
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
@@ -98,6 +99,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             return f"{who} loaded another model: the fingerprints differ (the coordinator expects {req.model_fingerprint})"
         if req.dtype and req.dtype != self.worker.dtype:
             return f"{who} runs {self.worker.dtype}, coordinator expects {req.dtype}"
+        if len(req.stamp_key) != KEY_BYTES:
+            return f"{who} needs a {KEY_BYTES}-byte stamp key, got {len(req.stamp_key)} bytes"
         if req.index >= len(req.route):
             return f"{who} is not in the route"
         if m.layer_start != req.prev_layer_end:
@@ -142,6 +145,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 return stage_pb2.HandshakeReply(ok=False, error=reply.error, stages=stages)
         self.pipeline_epoch = request.pipeline_epoch
         self.handshake_peer = peer
+        self.worker.stamp_key = StampKey(request.stamp_key)   # this epoch's: older frames fail STALE_EPOCH anyway
         self.worker.index = request.index
         if request.coordinator_instance != self.coordinator_instance:
             if self.coordinator_instance is not None:

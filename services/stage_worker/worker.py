@@ -19,8 +19,8 @@ from tether.kv.cache import KVCache, KVPool, NoCapacity
 from tether.kv.paged import PagedKV
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
-from tether.protocol import hashing
-from tether.protocol.hashing import sampling_digest, token_hash
+from tether.protocol.hashing import sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2
 
@@ -40,8 +40,8 @@ def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
                            sampling_digest=stamp.sampling_digest)
 
 
-def frame_digest(frame: stage_pb2.Frame) -> int:
-    return hashing.frame_digest(frame.activations.data, frame.slots)
+def frame_digest(frame: stage_pb2.Frame, key: StampKey) -> int:
+    return key.frame_digest(frame.activations.data, frame.slots)
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,18 @@ class FrameLimits:
 
 class StageWorker:
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32",
-                 stamp_checks: bool = True, limits: FrameLimits = FrameLimits()) -> None:
+                 stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
+                 stamp_key: StampKey | None = None) -> None:
         self.model = model
         self.index = index
         self.dtype = dtype
         self.limits = limits
         self.pool = KVPool(kv_capacity_tokens)
-        # stamp_checks=False is --unsafe-disable-stamp-checks: no digest and no per-slot checks 1, 2, 4.
+        # stamp_checks=False is --unsafe-disable-stamp-checks: no digest, no MAC and no per-slot checks 1, 2, 4.
         # It exists only to reproduce the wrong answers those checks prevent; never a default.
         self.stamp_checks = stamp_checks
+        # The pipeline's stamp key, set by each handshake. None until then: every slot is refused (fail closed).
+        self.stamp_key = stamp_key
         # With the paged arena (batch invariance on), its block pool bounds the KV and keeps the prefix cache.
         self.arena = model.new_arena(kv_capacity_tokens)
         self.state = StageState(self._new_kv, model.cfg.max_position_embeddings,
@@ -121,12 +124,15 @@ class StageWorker:
             return self.reject_all(frame, R.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
                                                        f"stage takes at most {self.limits.max_slots} slots and "
                                                        f"{self.limits.max_rows} rows (advertised at handshake)")
-        if self.stamp_checks and frame_digest(frame) != frame.payload_digest:
+        key = self.stamp_key
+        if key is None:
+            return self.reject_all(frame, R.STAMP_FORGED, "no stamp key: this stage has not been handshaken")
+        if self.stamp_checks and frame_digest(frame, key) != frame.payload_digest:
             return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
             if self.model.has_head:
                 return StepOutcome()
-            return StepOutcome(forward=self._next_frame(frame, [], torch.empty(0, self.model.cfg.hidden_size,
+            return StepOutcome(forward=self._next_frame(frame, key, [], torch.empty(0, self.model.cfg.hidden_size,
                                                                                  dtype=self.model.dtype)))
         hidden = None
         if not self.model.has_embedding:
@@ -139,7 +145,7 @@ class StageWorker:
         out = StepOutcome()
         admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
         try:
-            self._admit_slots(frame, admitted, out)
+            self._admit_slots(frame, key, admitted, out)
         except Exception:
             # e.g. the arena failing to grow: nothing admitted so far may stay half-allocated and unfindable
             for _, a, _ in admitted:
@@ -156,19 +162,23 @@ class StageWorker:
         for _, a, _ in admitted:
             self.state.commit(a)
         if self.model.has_head:
-            out.results.extend(self._sample(admitted, h))
+            out.results.extend(self._sample(key, admitted, h))
         else:
-            out.forward = self._next_frame(frame, admitted, h)
+            out.forward = self._next_frame(frame, key, admitted, h)
         return out
 
-    def _admit_slots(self, frame: stage_pb2.Frame, admitted: list, out: StepOutcome) -> None:
-        """Checks 1, 2, 4 per slot; append what passed to `admitted` (with its first row), reject the rest."""
+    def _admit_slots(self, frame: stage_pb2.Frame, key: StampKey, admitted: list, out: StepOutcome) -> None:
+        """The stamp's MAC, then checks 1, 2, 4 per slot; append what passed to `admitted` (with its first
+        row), reject the rest."""
         seen: set[str] = set()
         vocab = self.model.cfg.vocab_size
         row = 0
         for slot in frame.slots:
             n = len(slot.stamp.token_ids)
             try:
+                if self.stamp_checks and not key.verify(slot):
+                    # first, before anything reads the claim: only the coordinator holds this epoch's key
+                    raise Rejected(R.STAMP_FORGED, "the stamp's MAC is not the pipeline key's over this slot")
                 if slot.stamp.request_id in seen:
                     raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
                 seen.add(slot.stamp.request_id)
@@ -203,7 +213,7 @@ class StageWorker:
             x = torch.cat([hidden[r:r + a.rows] for _, a, r in admitted])
         return self.model(x, slots)
 
-    def _sample(self, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
+    def _sample(self, key: StampKey, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
         ends, sampled = [], []
         row = 0
         for slot, a, _ in admitted:
@@ -227,18 +237,20 @@ class StageWorker:
                 if token is None:
                     token = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
                 res.token_id = token
-                # committed chain + the token, bound to the request id and the parameters actually used (the
-                # stamp's digest was checked against them on admission; without checks it is computed here)
+                # committed chain + the token, bound (keyed) to the request id, epoch, position and the
+                # parameters actually used (the stamp's digest was checked against them on admission; without
+                # checks it is computed here)
                 digest = slot.stamp.sampling_digest if self.stamp_checks else sampling_digest(slot.sampling)
-                res.token_hash = token_hash(a.state.hasher.peek([token]), slot.stamp.request_id, digest)
+                res.token_hash = key.token_mac(a.state.hasher.peek([token]), slot.stamp.request_id,
+                                               slot.stamp.epoch, a.position + len(a.token_ids), digest, token)
                 k += 1
             results.append(res)
         return results
 
-    def _next_frame(self, frame, admitted, h: torch.Tensor) -> stage_pb2.Frame:
+    def _next_frame(self, frame, key: StampKey, admitted, h: torch.Tensor) -> stage_pb2.Frame:
         nxt = stage_pb2.Frame(pipeline_epoch=frame.pipeline_epoch, slots=[s for s, _, _ in admitted],
                               activations=tensors.encode(h))
-        nxt.payload_digest = frame_digest(nxt)
+        nxt.payload_digest = frame_digest(nxt, key)
         return nxt
 
 

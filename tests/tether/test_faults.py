@@ -9,10 +9,12 @@ import torch
 
 from tether.faults import FOLLOWED, KINDS, FaultConfig, FaultInjector, FaultLedger, HeldFrames
 from tether.protocol import tensors
-from tether.protocol.hashing import context_hash, payload_digest
+from tether.protocol.hashing import context_hash
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
 SEED = 12345
+KEY = StampKey(bytes(range(32)))
 
 
 def stamp(rid: str, tokens, history=(), epoch: int = 1) -> stage_pb2.Stamp:
@@ -32,7 +34,7 @@ def make_frame(seq: int = 1, slots: int = 3, acts: bool = True, decode: bool = F
     if acts:
         rows = sum(len(s.stamp.token_ids) for s in ss)
         f.activations.CopyFrom(tensors.encode(torch.arange(rows * 8, dtype=torch.float32).view(rows, 8)))
-    f.payload_digest = payload_digest(f.activations.data, [s.stamp.context_hash for s in ss])
+    KEY.seal(f)
     return f
 
 
@@ -43,7 +45,7 @@ def make_reply(n: int = 3) -> stage_pb2.FrameReply:
 
 
 def digest_ok(f: stage_pb2.Frame) -> bool:
-    return f.payload_digest == payload_digest(f.activations.data, [s.stamp.context_hash for s in f.slots])
+    return f.payload_digest == KEY.frame_digest(f.activations.data, f.slots)
 
 
 def chain_ok(s: stage_pb2.Stamp, history) -> bool:
@@ -244,6 +246,7 @@ def test_corrupt_without_activations_changes_one_token_id_and_breaks_the_chain()
     assert (t.parent_hash, t.context_hash, t.request_id, t.position) == \
            (s.parent_hash, s.context_hash, s.request_id, s.position)
     assert chain_ok(s, []) and not chain_ok(t, [])
+    assert KEY.verify(f.slots[i]) and not KEY.verify(g.slots[i])   # the MAC binds the token ids themselves
     assert injected(inj) == {"corrupt": 1}
 
 
@@ -284,6 +287,7 @@ def test_cross_ids_exchanges_request_ids_only():
         a.request_id = b.request_id = ""
         assert a == b
     assert digest_ok(g) and g.activations == f.activations   # invisible to the digest: the stamps catch it
+    assert KEY.verify(f.slots[i]) and not KEY.verify(g.slots[i]) and not KEY.verify(g.slots[j])   # their MACs
     assert injected(inj) == {"cross_ids": 1}
 
 

@@ -67,13 +67,6 @@ def sampling_digest(sampling) -> int:
     return xxhash.xxh3_64_intdigest(sampling.SerializeToString(deterministic=True))
 
 
-def token_hash(context_after_token: int, request_id: str, sampling: int) -> int:
-    """What the last stage returns with a sampled token: its chain extended by the token, bound to the request's
-    internal id and the digest of the sampling parameters it sampled with. Two requests with the same prompt
-    and tenant (n samples with different seeds) have the same chain; this hash still tells them apart."""
-    return xxhash.xxh3_64_intdigest(request_id.encode(), seed=context_after_token ^ sampling)
-
-
 def prompt_digest(prompt: bytes) -> int:
     """Receipt digest of the prompt bytes as admission received them."""
     return xxhash.xxh3_64_intdigest(prompt)
@@ -100,21 +93,10 @@ def messages_digest(messages) -> int:
     return h.intdigest()
 
 
-def payload_digest(data: bytes, slot_context_hashes) -> int:
-    """Bind a frame's tensor bytes to the slots that claim them: seed from all slot context hashes, in order."""
-    hashes = list(slot_context_hashes)
-    seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(hashes)}Q", *hashes))
-    return xxhash.xxh3_64_intdigest(data, seed=seed)
-
-
 def slot_binding(context_hash: int, cached_prefix: int) -> int:
     """What a frame's payload digest binds per slot: its context hash and, with a cached prefix, how many of
-    its tokens carry no activation rows (so rows can never be shifted from one slot to another)."""
+    its tokens carry no activation rows (so rows can never be shifted from one slot to another). The digest
+    itself is keyed: tether.protocol.stamp_key.StampKey.frame_digest."""
     if not cached_prefix:
         return context_hash
     return xxhash.xxh3_64_intdigest(struct.pack("<QI", context_hash, cached_prefix))
-
-
-def frame_digest(data: bytes, slots) -> int:
-    """The payload digest of a frame's activation bytes over its slots (stage_pb2.Slot)."""
-    return payload_digest(data, [slot_binding(s.stamp.context_hash, s.cached_prefix) for s in slots])

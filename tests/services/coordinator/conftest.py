@@ -10,6 +10,7 @@ from services.coordinator.scheduler import Request
 from tether.engine.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
+from tether.protocol.stamp_key import StampKey
 from tether.reference import sampling_params
 
 TOK = load_model_tokenizer(resolve_model("tiny"))
@@ -21,6 +22,7 @@ class FakePipeline:
     num_stages = 1
     stages: list = []
     epoch = 1
+    stamp_key = StampKey(bytes(range(32)))   # what a handshake would have agreed with the (fake) stages
 
     def __init__(self, answer) -> None:
         self.answer = answer          # (connection number, slots) -> FrameReply | Exception | None

@@ -12,10 +12,12 @@ from services.coordinator.engine import Engine, Failure
 from services.stage_worker.worker import echo
 from tether import supervise
 from tether.engine.sequence import TokenOut
-from tether.protocol.hashing import ContextHasher, sampling_digest, token_hash
+from tether.protocol.hashing import ContextHasher, sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
 TOKEN = 66
+KEY = StampKey(bytes(range(32)))   # the fake pipeline's (tests/services/coordinator/conftest.py)
 
 
 def fake_stage(lose):
@@ -40,7 +42,8 @@ def fake_stage(lose):
             res = stage_pb2.SlotResult(stamp=echo(st), ok=True)
             if slot.sample:
                 res.has_token, res.token_id = True, TOKEN
-                res.token_hash = token_hash(chain.peek([TOKEN]), st.request_id, sampling_digest(slot.sampling))
+                res.token_hash = KEY.token_mac(chain.peek([TOKEN]), st.request_id, st.epoch,
+                                               st.position + len(st.token_ids), sampling_digest(slot.sampling), TOKEN)
             results.append(res)
         return None if what == "after" else stage_pb2.FrameReply(stream_seq=seq, results=results)
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.stage_worker.worker import frame_digest
 from tether import reference, settings
 from tether.cli.cluster import free_port
 from tether.model.config import ModelConfig
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -32,6 +32,7 @@ TINY = resolve_model("tiny")
 CFG = ModelConfig.from_folder(TINY)
 FINGERPRINT = model_fingerprint(TINY)
 SEED = hash_seed(FINGERPRINT, "")
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key: every handshake here sends it
 CALL_TIMEOUT_S = 60.0   # every stream a test opens has a deadline: a bug fails the test, never hangs it
 
 
@@ -54,6 +55,11 @@ class Req:
                                 sampling_digest=sampling_digest(self.params))
         return stage_pb2.Slot(stamp=stamp, sampling=self.params, sample=sample, hash_seed=SEED)
 
+    def token_mac(self, token: int) -> int:
+        """The keyed token hash the last stage owes for `token` sampled after the whole context."""
+        return KEY.token_mac(context_hash(SEED, self.ids + [token]), self.rid, self.epoch, len(self.ids),
+                             sampling_digest(self.params), token)
+
     def accept(self, token: int) -> None:
         """The slot just sent was answered with `token`: the stage holds everything before it."""
         self.fed = len(self.ids)
@@ -70,7 +76,7 @@ def make_frame(slots, epoch: int, seq: int = 1, acts: stage_pb2.Tensor | None = 
     f = stage_pb2.Frame(stream_seq=seq, pipeline_epoch=epoch, slots=list(slots))
     if acts is not None:
         f.activations.CopyFrom(acts)
-    f.payload_digest = frame_digest(f)
+    KEY.seal(f)
     return f
 
 
@@ -171,7 +177,7 @@ class LiveStage:
         reply = self.stub.Handshake(stage_pb2.HandshakeRequest(
             protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=FINGERPRINT,
             route=[stage_pb2.RouteEntry(address=a) for a in addresses], index=index, prev_layer_end=prev_end,
-            pipeline_epoch=self.epoch, dtype="float32"), timeout=15)
+            pipeline_epoch=self.epoch, dtype="float32", stamp_key=KEY.key), timeout=15)
         assert reply.ok, reply.error
         self.info = reply.stages[0]
         return reply
@@ -238,4 +244,5 @@ def kit():
         pass
     k = Kit()
     k.Req, k.activations, k.wait_for, k.make_frame, k.CFG, k.SEED = Req, activations, wait_for, make_frame, CFG, SEED
+    k.KEY = KEY
     return k

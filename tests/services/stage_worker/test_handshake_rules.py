@@ -8,7 +8,10 @@ from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import StageWorker
 from tether import settings
 from tether.model.loader import load_slice, model_fingerprint, resolve_model
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
+
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +20,7 @@ def folder():
 
 
 def servicer(folder, start: int, end: int) -> StageServicer:
-    worker = StageWorker(load_slice(folder, start, end), 0, 1024)
+    worker = StageWorker(load_slice(folder, start, end), 0, 1024, stamp_key=KEY)
     return StageServicer(worker, model_fingerprint(folder), "127.0.0.1:1", 1024)
 
 
@@ -25,7 +28,8 @@ def request(folder, index: int, stages: int, prev_end: int, **over) -> stage_pb2
     req = stage_pb2.HandshakeRequest(protocol_version=settings.PROTOCOL_VERSION,
                                      model_fingerprint=model_fingerprint(folder),
                                      route=[stage_pb2.RouteEntry(address=f"127.0.0.1:{i + 1}") for i in range(stages)],
-                                     index=index, prev_layer_end=prev_end, pipeline_epoch=7, dtype="float32")
+                                     index=index, prev_layer_end=prev_end, pipeline_epoch=7, dtype="float32",
+                                     stamp_key=KEY.key)
     for k, v in over.items():
         setattr(req, k, v)
     return req
@@ -44,6 +48,9 @@ def test_a_matching_stage_accepts(folder):
     (2, 3, 1, 2, 2, {}, "lacks the head"),
     (0, 4, 0, 2, 0, {}, "follow it"),
     (2, 4, 5, 2, 2, {}, "not in the route"),
+    (2, 4, 1, 2, 2, {"stamp_key": b""}, "32-byte stamp key, got 0 bytes"),
+    (2, 4, 1, 2, 2, {"stamp_key": bytes(31)}, "got 31 bytes"),
+    (2, 4, 1, 2, 2, {"stamp_key": bytes(33)}, "got 33 bytes"),
 ])
 def test_each_refusal_names_the_stage_and_the_reason(folder, start, end, index, stages, prev, over, words):
     why = servicer(folder, start, end)._refusal(request(folder, index, stages, prev, **over))

@@ -13,7 +13,10 @@ from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
+
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
 R = stage_pb2.RejectReason
 BLOCK = settings.ATTENTION_BLOCK
@@ -33,12 +36,12 @@ def seed_of(tenant: str = "") -> int:
 
 class Pipe:
     def __init__(self, slices, capacity: int = 100_000) -> None:
-        self.w = [StageWorker(slices[0], 0, capacity), StageWorker(slices[1], 1, capacity)]
+        self.w = [StageWorker(slices[0], 0, capacity, stamp_key=KEY), StageWorker(slices[1], 1, capacity, stamp_key=KEY)]
 
     def run(self, *slots: stage_pb2.Slot) -> tuple[dict[str, stage_pb2.SlotResult], stage_pb2.Frame | None]:
         """One frame through both stages: every result by request id, and what stage 0 forwarded."""
         f = stage_pb2.Frame(stream_seq=1, pipeline_epoch=7, slots=list(slots))
-        f.payload_digest = frame_digest(f)
+        KEY.seal(f)
         out0 = self.w[0].process(f)
         results = list(out0.results)
         if out0.forward is not None:

@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from tether import reference
-from tether.protocol.hashing import context_hash, sampling_digest, token_hash
 from tether.v1 import stage_pb2
 
 R = stage_pb2.RejectReason
@@ -54,8 +53,7 @@ def generate(stage, kit, rid_prefix: str, checks: bool = True) -> tuple[dict[int
                 assert res.ok, reasons(reply)
             assert res.has_token and res.stamp.request_id == req.rid
             if checks:   # without them the stage's own chain is as wrong as its state
-                assert res.token_hash == token_hash(context_hash(kit.SEED, req.ids + [res.token_id]), req.rid,
-                                                        sampling_digest(req.params))
+                assert res.token_hash == req.token_mac(res.token_id)
             req.accept(res.token_id)
             got[i].append(res.token_id)
     assert stream.end() == grpc.StatusCode.OK
@@ -191,8 +189,7 @@ def test_reply_faults_on_the_last_stage(start_stage, kit, expected):
     assert len(bad) == 1                                   # the echo is intact: only the token binding shows it
     for i, r in enumerate(reqs):
         res = by_id[r.rid]
-        bound = res.token_hash == token_hash(context_hash(kit.SEED, r.ids + [res.token_id]), r.rid,
-                                             sampling_digest(r.params))
+        bound = res.token_hash == r.token_mac(res.token_id)
         assert bound == (i not in bad)
     stream.end()
     assert corrupt.stats().faults_injected["corrupt"] == 1

@@ -25,7 +25,10 @@ from tether.kv.cache import KVCache, KVPool
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
+
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
 R = stage_pb2.RejectReason
 SEEDS = [hash_seed("fp", ""), hash_seed("fp", "tenant-b")]
@@ -217,7 +220,7 @@ def _valid_frame_bytes() -> bytes:
              for i in range(2)]
     f = stage_pb2.Frame(stream_seq=3, pipeline_epoch=5, slots=slots,
                         activations=tensors.encode(torch.ones(4, 8)))
-    f.payload_digest = frame_digest(f)
+    KEY.seal(f)
     return f.SerializeToString()
 
 
@@ -319,7 +322,11 @@ def hostile_frame(draw, hidden: int, vocab: int, held: dict[str, list[int]]):
         elif acts == "bytes":
             msg.data = msg.data[:-1]
         f.activations.CopyFrom(msg)
-    f.payload_digest = frame_digest(f) if draw(st.integers(0, 5)) else draw(st.integers(0, 2**64 - 1))
+    KEY.seal(f)
+    if not draw(st.integers(0, 5)):
+        f.payload_digest = draw(st.integers(0, 2**64 - 1))
+    if f.slots and not draw(st.integers(0, 5)):
+        f.slots[0].stamp.mac = draw(st.integers(0, 2**64 - 1))
     return f
 
 
@@ -328,7 +335,7 @@ def hostile_frame(draw, hidden: int, vocab: int, held: dict[str, list[int]]):
 @given(data=st.data())
 def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, which, data):
     model = slices[which]
-    w = StageWorker(model, 0, 100_000)
+    w = StageWorker(model, 0, 100_000, stamp_key=KEY)
     held = {"p": [5, 6, 7], "q": [8]}
     for rid, toks in held.items():   # some state to protect
         f = stage_pb2.Frame(stream_seq=1, pipeline_epoch=1, slots=[stage_pb2.Slot(
@@ -337,7 +344,7 @@ def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, w
             hash_seed=SEED)])
         if not model.has_embedding:
             f.activations.CopyFrom(tensors.encode(torch.randn(len(toks), model.cfg.hidden_size)))
-        f.payload_digest = frame_digest(f)
+        KEY.seal(f)
         setup = w.process(f)
         assert all(r.ok for r in setup.results) and rid in w.state.requests
     frame = data.draw(hostile_frame(model.cfg.hidden_size, model.cfg.vocab_size, held))
@@ -351,7 +358,7 @@ def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, w
     admitted = {r.stamp.request_id for r in out.results if r.ok}
     if out.forward is not None:                # a stage without the head forwards what it admitted
         admitted |= {s.stamp.request_id for s in out.forward.slots}
-        assert out.forward.payload_digest == frame_digest(out.forward)
+        assert out.forward.payload_digest == frame_digest(out.forward, KEY)
     for rid, b in before.items():
         if rid not in admitted:
             assert snap(rid) == b, f"{rid} was not admitted but its state changed"

@@ -12,7 +12,10 @@ from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import common_pb2, stage_pb2
+
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
 R = stage_pb2.RejectReason
 CAPACITY = 100_000
@@ -52,7 +55,7 @@ class Pipe:
 
 @pytest.fixture
 def pipe(slices) -> Pipe:
-    return Pipe(StageWorker(slices[0], 0, CAPACITY), StageWorker(slices[1], 1, CAPACITY))
+    return Pipe(StageWorker(slices[0], 0, CAPACITY, stamp_key=KEY), StageWorker(slices[1], 1, CAPACITY, stamp_key=KEY))
 
 
 @dataclass
@@ -83,7 +86,7 @@ def frame(*slots: stage_pb2.Slot, activations: stage_pb2.Tensor | None = None) -
     f = stage_pb2.Frame(stream_seq=1, pipeline_epoch=7, slots=list(slots))
     if activations is not None:
         f.activations.CopyFrom(activations)
-    f.payload_digest = frame_digest(f)
+    KEY.seal(f)
     return f
 
 
@@ -240,7 +243,7 @@ def test_bad_tensor_at_stage_1(pipe, corrupt):
         fwd.activations.dtype = "bfloat16"
     else:
         fwd.activations.data = fwd.activations.data[:-4]
-    fwd.payload_digest = frame_digest(fwd)      # the digest is right: only the tensor check can catch it
+    KEY.seal(fwd)      # the digest is right: only the tensor check can catch it
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
     assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
 
@@ -259,7 +262,7 @@ def test_non_finite_activations_at_stage_1(pipe, bad):
     h = tensors.decode(fwd.activations, rows=2, width=fwd.activations.shape[1], dtype="float32").clone()
     h[1, 3] = bad
     fwd.activations.CopyFrom(tensors.encode(h))
-    fwd.payload_digest = frame_digest(fwd)
+    KEY.seal(fwd)
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
     assert pipe.w1.kv_used_tokens() == before_used
     assert [pipe.w1.state.held(r.rid) for r in reqs] == before_held
@@ -279,8 +282,8 @@ def test_first_stage_refuses_activations(pipe):
 def test_duplicated_request_id_is_rejected(lm, slices):
     """The second slot of a request in one frame is refused (BAD_FRAME) and reserves nothing; the first runs
     exactly as it would alone."""
-    dup = Pipe(StageWorker(slices[0], 0, CAPACITY), StageWorker(slices[1], 1, CAPACITY))
-    solo = Pipe(StageWorker(slices[0], 0, CAPACITY), StageWorker(slices[1], 1, CAPACITY))
+    dup = Pipe(StageWorker(slices[0], 0, CAPACITY, stamp_key=KEY), StageWorker(slices[1], 1, CAPACITY, stamp_key=KEY))
+    solo = Pipe(StageWorker(slices[0], 0, CAPACITY, stamp_key=KEY), StageWorker(slices[1], 1, CAPACITY, stamp_key=KEY))
     r = Req("a", list(PROMPTS["en"]))
     other = Req("a", list(PROMPTS["zh"]))                  # same id, different context
     results = dup.run(frame(r.slot(), other.slot()))
@@ -314,7 +317,7 @@ def test_one_bad_slot_does_not_stop_the_others(lm, slices, where):
     names = ["en", "zh", "one"]
     want = {n: ref_tokens(lm, PROMPTS[n], params) for n in names}
 
-    pipe = Pipe(StageWorker(slices[0], 0, CAPACITY), StageWorker(slices[1], 1, CAPACITY))
+    pipe = Pipe(StageWorker(slices[0], 0, CAPACITY, stamp_key=KEY), StageWorker(slices[1], 1, CAPACITY, stamp_key=KEY))
     reqs = [Req(n, list(PROMPTS[n]), params) for n in names]
     good = [reqs[0], reqs[2]]
     # the bad slot sits in the middle, so the rows of the slot after it must be found past the rejected rows
@@ -327,7 +330,7 @@ def test_one_bad_slot_does_not_stop_the_others(lm, slices, where):
         out0 = pipe.w0.process(frame(*(r.slot() for r in reqs)))
         fwd = out0.forward
         fwd.slots[1].stamp.context_hash ^= 1
-        fwd.payload_digest = frame_digest(fwd)
+        KEY.seal(fwd)
         results = [*out0.results, *pipe.w1.process(fwd).results]
         rejected_at, reason = 1, R.STATE_MISMATCH
     res = by_id(results)
@@ -343,7 +346,7 @@ def test_one_bad_slot_does_not_stop_the_others(lm, slices, where):
         assert [toks[r.rid] for r in good] == [want[r.rid][i] for r in good]
 
     # and stage 1 holds for them exactly what a pipeline that never saw the bad slot holds
-    clean = Pipe(StageWorker(slices[0], 0, CAPACITY), StageWorker(slices[1], 1, CAPACITY))
+    clean = Pipe(StageWorker(slices[0], 0, CAPACITY, stamp_key=KEY), StageWorker(slices[1], 1, CAPACITY, stamp_key=KEY))
     clean_reqs = [Req(r.rid, list(PROMPTS[r.rid]), params) for r in good]
     for _ in range(3):
         step(clean, clean_reqs)
@@ -384,7 +387,7 @@ def test_stale_epoch_after_rebuild(lm, pipe):
 
 def test_no_capacity_rejects_only_the_slot_that_does_not_fit(lm, slices):
     block = settings.ATTENTION_BLOCK
-    pipe = Pipe(StageWorker(slices[0], 0, block + 8), StageWorker(slices[1], 1, block + 8))
+    pipe = Pipe(StageWorker(slices[0], 0, block + 8, stamp_key=KEY), StageWorker(slices[1], 1, block + 8, stamp_key=KEY))
     small = Req("small", list(PROMPTS["one"]))
     big = Req("big", list(range(60)))                       # one block for "small" leaves 8 slots: 60 do not fit
     res = by_id(pipe.run(frame(small.slot(), big.slot())))

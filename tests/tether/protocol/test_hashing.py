@@ -1,4 +1,4 @@
-"""The context hash chain, its seed, and the payload digest that binds frame bytes to slots."""
+"""The context hash chain and its seed (the keyed digests: test_stamp_key.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tether.protocol.hashing import (
     ContextHasher,
     context_hash,
     hash_seed,
-    payload_digest,
     prompt_digest,
     token_bytes,
 )
@@ -95,43 +94,10 @@ def test_chain_distinguishes_order_boundaries_and_large_ids():
     assert token_bytes([256]) != token_bytes([0, 1])
 
 
-def test_payload_digest_binds_bytes_and_slot_hashes():
-    data = bytes(range(256)) * 4
-    hashes = [context_hash(SEED, [1]), context_hash(SEED, [2]), context_hash(SEED, [3])]
-    d = payload_digest(data, hashes)
-    assert d == payload_digest(bytes(data), list(hashes))
-    flipped = bytearray(data)
-    flipped[500] ^= 1
-    assert payload_digest(bytes(flipped), hashes) != d                 # any byte
-    assert payload_digest(data[:-1], hashes) != d                     # truncation
-    assert payload_digest(data, [hashes[1], hashes[0], hashes[2]]) != d   # slot order matters
-    assert payload_digest(data, hashes[:2]) != d                      # a slot dropped
-    assert payload_digest(data, [*hashes, hashes[2]]) != d            # a slot duplicated
-    assert payload_digest(data, [hashes[0] ^ 1, *hashes[1:]]) != d    # one context hash changed
-    assert payload_digest(b"", []) == payload_digest(b"", [])
-
-
-@given(data=st.binary(max_size=200), hashes=st.lists(st.integers(0, 2**64 - 1), min_size=2, max_size=6))
-@FAST
-def test_payload_digest_order_sensitive(data, hashes):
-    swapped = [hashes[1], hashes[0], *hashes[2:]]
-    if swapped != hashes:
-        assert payload_digest(data, swapped) != payload_digest(data, hashes)
-
-
 def test_prompt_digest_is_seed_zero_xxh3():
     text = "你好 tether".encode()
     assert prompt_digest(text) == xxhash.xxh3_64_intdigest(text, seed=0)
     assert prompt_digest(text) != prompt_digest(text + b" ")
-
-
-def test_payload_digest_seed_is_the_little_endian_hash_list():
-    """The wire contract, spelled out so another implementation can reproduce it: the seed is xxh3-64 of the
-    slot context hashes as little-endian uint64s, in slot order."""
-    hashes = [1, 2**63 + 5, 0xDEADBEEF]
-    data = b"activations"
-    seed = xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
-    assert payload_digest(data, hashes) == xxhash.xxh3_64_intdigest(data, seed=seed)
 
 
 def test_messages_digest_is_the_length_prefixed_serialization():

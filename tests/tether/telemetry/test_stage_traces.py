@@ -14,7 +14,10 @@ from tether import reference
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
 from tether.telemetry import tracing
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
+
+KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
 TRACE = "ab" * 16
 PARENT = "cd" * 8
@@ -46,7 +49,7 @@ def _frame(traceparents: dict[str, str]) -> stage_pb2.Frame:
         slots.append(stage_pb2.Slot(stamp=stamp, sampling=params, sample=True, hash_seed=seed,
                                     traceparent=traceparents.get(rid, "")))
     frame = stage_pb2.Frame(stream_seq=1, pipeline_epoch=1, slots=slots)
-    frame.payload_digest = frame_digest(frame)
+    KEY.seal(frame)
     return frame
 
 
@@ -60,10 +63,10 @@ def test_traced_slots_get_child_spans_linked_from_the_step_and_answers_do_not_ch
     traced = {"a": f"00-{TRACE}-{PARENT}-01", "b": "00-forged-by-a-peer-01"}   # c: not traced
     plain = _frame({})
     with_context = _frame(traced)
-    assert frame_digest(plain) == frame_digest(with_context)   # the traceparent is not bound by the digest
+    assert frame_digest(plain, KEY) == frame_digest(with_context, KEY)   # the traceparent is not bound by the digest
 
-    expected = _run(StageWorker(slices[0], 0, 100_000), StageWorker(slices[1], 1, 100_000), plain)
-    w0, w1 = StageWorker(slices[0], 0, 100_000), StageWorker(slices[1], 1, 100_000)
+    expected = _run(StageWorker(slices[0], 0, 100_000, stamp_key=KEY), StageWorker(slices[1], 1, 100_000, stamp_key=KEY), plain)
+    w0, w1 = StageWorker(slices[0], 0, 100_000, stamp_key=KEY), StageWorker(slices[1], 1, 100_000, stamp_key=KEY)
     t0, t1 = StageTraces(w0), StageTraces(w1)
     assert _run(t0, t1, with_context) == expected
     assert all(ok for _, ok, _, _ in expected)
@@ -84,8 +87,8 @@ def test_traced_slots_get_child_spans_linked_from_the_step_and_answers_do_not_ch
 def test_a_rejected_traced_slot_is_an_event_with_its_reason(slices, exported):
     frame = _frame({"a": f"00-{TRACE}-{PARENT}-01"})
     frame.slots[0].stamp.position = 5   # no state held, yet not at position 0: the stage refuses the slot
-    frame.payload_digest = frame_digest(frame)
-    traces = StageTraces(StageWorker(slices[0], 0, 100_000))
+    KEY.seal(frame)
+    traces = StageTraces(StageWorker(slices[0], 0, 100_000, stamp_key=KEY))
     out = traces.process(frame)
     (rejected,) = [r for r in out.results if r.stamp.request_id == "a"]
     assert not rejected.ok
