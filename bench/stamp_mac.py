@@ -11,7 +11,7 @@ Per frame it times
   in a last-stage step, redone outside the step on the same slots so it can be timed alone);
 - the step itself: `StageWorker.process` of the frame (checks + layers + sampling, keyed work included);
 - the unkeyed work it replaces (xxh3 payload seed and token hash), for the difference;
-- a keyed BLAKE2b made anew per slot instead of copied from the keyed base object (`--rekey`): why the copy.
+- signing with a keyed BLAKE2b made anew per slot instead of copied from the keyed base object: why the copy.
 
 The figure is the median over frames of each; ratio = (coordinator + stage keyed work) ÷ step time. Medians,
 not means: a 2-core shared machine is noisy. Prefill chunks cost more per slot (the MAC covers the token ids
@@ -94,7 +94,7 @@ def stage_keyed_work(key: StampKey, frame: stage_pb2.Frame, results) -> None:
         if not key.verify(s):
             raise AssertionError("stamp MAC")
     key.frame_digest(frame.activations.data, frame.slots)
-    for s, res in zip(frame.slots, results):
+    for s, res in zip(frame.slots, results):   # the chain value is any u64: the cost is what is measured
         key.token_mac(res.token_hash, s.stamp.request_id, s.stamp.epoch, s.stamp.position + 1, s.stamp.sampling_digest,
                       res.token_id)
 
