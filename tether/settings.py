@@ -123,12 +123,11 @@ LOG_FORMATS = ("text", "json")   # --log-format: json is one object per line (te
 LOG_FORMAT = "text"
 
 # Transport security (tether/security/, docs/PROTOCOL.md "Transport security"). Every service takes --tls-ca,
-# --tls-cert and --tls-key (defaults from these environment variables; the CA falls back to gRPC's own
-# GRPC_DEFAULT_SSL_ROOTS_FILE_PATH). Without a certificate a service speaks plaintext and says so once at start.
+# --tls-cert and --tls-key (defaults from these environment variables; never gRPC's GRPC_DEFAULT_SSL_ROOTS_FILE_PATH,
+# usually the public roots). Without a certificate a service speaks plaintext and says so once at start.
 TLS_CA_ENV = "TETHER_TLS_CA"
 TLS_CERT_ENV = "TETHER_TLS_CERT"
 TLS_KEY_ENV = "TETHER_TLS_KEY"
-TLS_GRPC_ROOTS_ENV = "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"
 TLS_TRUST_DOMAIN = "tether.local"   # identities are spiffe://tether.local/<role>[/<name>] URI SANs
 TLS_CA_DAYS = 3650                  # `tether certs init`: the local CA's lifetime
 TLS_CERT_DAYS = 365                 # and each service certificate's

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tether.security.tls import env_defaults
     env = env_defaults()
     p.add_argument("--tls-ca", metavar="PEM", default=env["ca"],
-                   help="CA to verify the service with; with it the check speaks TLS (default: $TETHER_TLS_CA, else "
-                        "$GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, only together with a certificate; none: plaintext)")
+                   help="CA to verify the service with; with it the check speaks TLS (default: $TETHER_TLS_CA; "
+                        "none: plaintext)")
     p.add_argument("--tls-cert", metavar="PEM", default=env["cert"],
                    help="certificate to present (default: $TETHER_TLS_CERT)")
     p.add_argument("--tls-key", metavar="PEM", default=env["key"], help="its key (default: $TETHER_TLS_KEY)")
@@ -79,9 +79,7 @@ def check(target: str, service: str = "", timeout: float = DEFAULT_TIMEOUT_S, tl
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # TLS with a certificate, or with a CA named for tether (gRPC's own roots variable alone does not mean TLS)
-    import os
-    on = args.tls_cert or (args.tls_ca and args.tls_ca != os.environ.get("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"))
+    on = args.tls_cert or args.tls_ca   # TLS with a certificate, or with a CA that verifies the server
     tls = (args.tls_ca, args.tls_cert, args.tls_key) if on else (None, None, None)
     ok, seen = check(args.target, args.service, args.timeout, *tls)
     if not args.quiet:

@@ -65,7 +65,9 @@ def client_channel_credentials(ca: str | Path | bytes | None, cert: str | Path |
 
 def env_defaults(environ: dict[str, str] | None = None) -> dict[str, str | None]:
     env = os.environ if environ is None else environ
-    return {"ca": env.get(settings.TLS_CA_ENV) or env.get(settings.TLS_GRPC_ROOTS_ENV) or None,
+    # Not gRPC's GRPC_DEFAULT_SSL_ROOTS_FILE_PATH: that is usually the system's public roots, and a service that
+    # trusted them would accept client certificates from any public CA. The deployment's CA is named explicitly.
+    return {"ca": env.get(settings.TLS_CA_ENV) or None,
             "cert": env.get(settings.TLS_CERT_ENV) or None, "key": env.get(settings.TLS_KEY_ENV) or None}
 
 
@@ -77,8 +79,8 @@ def add_flags(parser: argparse.ArgumentParser, public: bool = False) -> None:
         "warns at start-up): for local development on a trusted network only. `tether certs init DIR` makes a "
         "CA and every service's certificate.")
     g.add_argument("--tls-ca", metavar="PEM", default=env["ca"],
-                   help=f"CA certificate that signs the other services' certificates (default: ${settings.TLS_CA_ENV}"
-                        f", else ${settings.TLS_GRPC_ROOTS_ENV})")
+                   help=f"CA certificate that signs the other services' certificates; required with --tls-cert "
+                        f"(default: ${settings.TLS_CA_ENV}; never the system's public roots)")
     g.add_argument("--tls-cert", metavar="PEM", default=env["cert"],
                    help=f"this service's certificate; it identifies the service by its spiffe://"
                         f"{settings.TLS_TRUST_DOMAIN}/... URI SAN, as server and as client of the services it "
@@ -96,7 +98,7 @@ def from_args(args: argparse.Namespace) -> TlsConfig | None:
     """The TLS configuration the flags ask for; None for plaintext. ValueError for half a configuration."""
     given = {k: getattr(args, f"tls_{k}", None) for k in ("ca", "cert", "key")}
     if given["cert"] is None and given["key"] is None:
-        return None   # a CA alone (e.g. GRPC_DEFAULT_SSL_ROOTS_FILE_PATH set for other reasons) is not TLS
+        return None   # a CA alone (e.g. $TETHER_TLS_CA exported for the SDK) is not TLS
     missing = [f"--tls-{k}" for k, v in given.items() if not v]
     if missing:
         raise ValueError(f"TLS needs --tls-ca, --tls-cert and --tls-key together; missing {', '.join(missing)} "

@@ -1,5 +1,6 @@
 """A cluster with `tls=True` (what `tether up --tls` runs): mutual TLS between services from `tether certs init`
-certificates, TLS on the public port, and who-may-call-what enforced on the internal services.
+certificates, TLS on the public port, who-may-call-what enforced on the internal services, and an API key
+required at the front door (issue 14 end to end: every layer on at once).
 
 It serves exactly what a plaintext cluster does (the reference's tokens); a caller without a certificate of the
 cluster's CA cannot even connect to a stage; other services' certificates get PERMISSION_DENIED (counted) and
@@ -11,6 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from services.admission.auth import key_digest
 from tether import reference
 from tether.cli import healthcheck
 from tether.cli.cluster import LocalCluster
@@ -21,26 +23,37 @@ CASES = [dict(prompt="Explain in under 30 words why the sky is blue.", max_token
          dict(prompt="请用不超过50字向老人解释血糖仪读数", max_tokens=6, temperature=0.8, top_p=0.9, seed=7)]
 
 
+KEY = "tk_test-" + "k" * 40
+BEARER = (("authorization", f"Bearer {KEY}"),)
+
+
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"), tls=True)
+    logs = tmp_path_factory.mktemp("logs")
+    tenants = logs / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\napi_keys_sha256 = ["{key_digest(KEY)}"]\n')
+    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=logs, tls=True,
+                     extra={"admission": ["--tenants", str(tenants)]})
     c.start(timeout=180)
     yield c
     c.stop()
 
 
-def _generate(cluster: LocalCluster, case: dict) -> admission_pb2.GenerateResponse:
-    """Through the public port over TLS, verifying it with the cluster's CA and presenting no certificate."""
+def _generate(cluster: LocalCluster, case: dict, metadata=BEARER) -> admission_pb2.GenerateResponse:
+    """Through the public port over TLS, verifying it with the cluster's CA and presenting no certificate, with
+    the tenant's API key."""
     params = {k: v for k, v in case.items() if k != "prompt"}
     with cluster.channel("admission", cert=None) as ch:
         return admission_pb2_grpc.AdmissionStub(ch).Generate(admission_pb2.GenerateRequest(
-            prompt=case["prompt"].encode(), sampling=reference.sampling_params(**params)), timeout=120)
+            prompt=case["prompt"].encode(), sampling=reference.sampling_params(**params)), timeout=120,
+            metadata=metadata)
 
 
 def _assert_serves_the_reference(cluster: LocalCluster) -> None:
     for case in CASES:
         got = _generate(cluster, case)
-        want = reference.generate(case["prompt"], "tiny", **{k: v for k, v in case.items() if k != "prompt"})
+        want = reference.generate(case["prompt"], "tiny", namespace="acme",   # the key's tenant salts the chain
+                                  **{k: v for k, v in case.items() if k != "prompt"})
         assert list(got.token_ids) == want.token_ids and got.text == want.text, case
         assert got.receipt.context_hash == want.receipt.context_hash
 
@@ -59,6 +72,13 @@ def _epoch(cluster: LocalCluster) -> int:
 
 def test_a_tls_cluster_serves_exactly_the_reference(secure):
     _assert_serves_the_reference(secure)
+
+
+def test_over_tls_the_front_door_still_wants_the_key(secure):
+    for metadata in ((), (("authorization", "Bearer tk_not-a-key"),)):
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(secure, CASES[0], metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
 
 
 def test_a_plaintext_caller_cannot_reach_a_stage(secure):

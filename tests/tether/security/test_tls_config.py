@@ -40,8 +40,17 @@ def test_flags_give_mutual_tls(pki, monkeypatch):
     assert cfg.cert == (pki / "stage-0.pem").read_bytes()
 
 
-def test_environment_defaults_and_grpc_roots_fallback(pki, monkeypatch):
+def test_grpc_roots_are_never_the_services_ca(pki, monkeypatch):
+    """gRPC's roots variable is usually the system's public CAs: trusting them would let any public CA's
+    certificate authenticate to a service."""
     env = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki / "ca.pem"), "TETHER_TLS_CERT": str(pki / "admission.pem"),
+           "TETHER_TLS_KEY": str(pki / "admission.key")}
+    with pytest.raises(ValueError, match="missing --tls-ca"):
+        _parse([], public=True, env=env, monkeypatch=monkeypatch)
+
+
+def test_environment_defaults(pki, monkeypatch):
+    env = {"TETHER_TLS_CA": str(pki / "ca.pem"), "TETHER_TLS_CERT": str(pki / "admission.pem"),
            "TETHER_TLS_KEY": str(pki / "admission.key")}
     cfg = _parse([], public=True, env=env, monkeypatch=monkeypatch)
     assert cfg.ca == (pki / "ca.pem").read_bytes() and not cfg.require_client_auth   # public port: none by default
