@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "`tether certs init` when missing. Without it every port is plaintext and unauthenticated")
     p.add_argument("--tls-dir", type=Path, default=None, metavar="DIR",
                    help="the `tether certs init` folder to take certificates from (implies --tls)")
+    p.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                   help="admission's tenants file: per-tenant rate limits and, once it lists API keys "
+                        "(`tether keys new`), every call needs one (the demo then sends $TETHER_API_KEY)")
     return p
 
 
@@ -102,6 +105,16 @@ def log_format_extra(fmt: str) -> dict[str, list[str]]:
     if fmt == settings.LOG_FORMAT:
         return {}
     return {role: ["--log-format", fmt] for role in ("stage", "coordinator", "admission")}
+
+
+def service_extra(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The flags `tether up` adds to the services' commands: --log-format, admission's --tenants."""
+    extra = log_format_extra(args.log_format)
+    if args.tenants is not None:
+        if not args.tenants.is_file():
+            raise SystemExit(f"tether up: --tenants {args.tenants}: no such file")
+        extra["admission"] = extra.get("admission", []) + ["--tenants", str(args.tenants.resolve())]
+    return extra
 
 
 def _show(asked: str, params: dict, r) -> None:
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster = LocalCluster(model=args.model, stages=args.stages, pipelines=args.pipelines, host=args.host,
                            admission_port=args.port,
                            coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
-                           log_dir=args.log_dir, metrics=args.metrics, extra=log_format_extra(args.log_format),
+                           log_dir=args.log_dir, metrics=args.metrics, extra=service_extra(args),
                            tls=args.tls or args.tls_dir is not None, tls_dir=args.tls_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
