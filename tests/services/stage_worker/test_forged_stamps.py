@@ -122,3 +122,24 @@ def test_an_honest_stamp_still_goes_through_after_a_forgery(full, kit):
     assert reasons(stream.ask(forged)) == ["STAMP_FORGED"]
     assert reasons(stream.ask(stream.frame([req.slot()]))) == ["ok"]
     stream.end()
+
+
+def test_only_the_unsafe_experiment_skips_the_mac(kit):
+    """--unsafe-disable-stamp-checks (experiments only) skips the MAC with the other checks; a worker with the
+    checks on refuses the same frame, and one that holds no key refuses every slot."""
+    from services.stage_worker.worker import StageWorker
+    from tether.model.loader import load_slice, resolve_model
+
+    model = load_slice(resolve_model("tiny"), 0, kit.CFG.num_hidden_layers)
+    req = kit.Req("unsafe", list(b"abc"))
+    frame = kit.make_frame([req.slot()], epoch=1)
+    frame.slots[0].stamp.mac = unkeyed_mac(frame.slots[0])
+    frame.payload_digest = kit.KEY.frame_digest(b"", frame.slots)
+    unsafe = StageWorker(model, 0, 4096, stamp_checks=False, stamp_key=kit.KEY)
+    checked = StageWorker(model, 0, 4096, stamp_key=kit.KEY)
+    keyless = StageWorker(model, 0, 4096)
+    assert [r.ok for r in unsafe.process(frame).results] == [True]
+    assert reasons(stage_pb2.FrameReply(results=checked.process(frame).results)) == ["STAMP_FORGED"]
+    honest = kit.make_frame([req.slot()], epoch=1)
+    assert reasons(stage_pb2.FrameReply(results=keyless.process(honest).results)) == ["STAMP_FORGED"]
+    assert checked.state.requests == {} and keyless.state.requests == {}
