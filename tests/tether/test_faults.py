@@ -353,6 +353,13 @@ def frame_of(*stamps: stage_pb2.Stamp, seq: int = 1) -> stage_pb2.Frame:
     return stage_pb2.Frame(stream_seq=seq, slots=[stage_pb2.Slot(stamp=s) for s in stamps])
 
 
+def signed(frame: stage_pb2.Frame) -> stage_pb2.Frame:
+    """As the coordinator sends it: every stamp MACed (twins' MACs differ, for they bind the ids and epochs)."""
+    KEY.sign(frame.slots)
+    assert len({s.stamp.mac for s in frame.slots}) == len(frame.slots)
+    return frame
+
+
 def test_ledger_caught_by_a_rebuild_or_a_resend_slipped_by_a_later_position():
     led = FaultLedger()
     led.record("corrupt", "outbound", [st("a", 1, 5), st("b", 2, 9), st("c", 1, 3)])
@@ -417,7 +424,7 @@ def test_a_reply_fault_follows_only_results_that_could_become_tokens():
 @pytest.mark.parametrize("kind", ["swap_slots", "cross_ids"])
 def test_exchanging_twin_slots_is_logged_harmless(kind):
     """Two identical requests in step (same context, epoch, position): exchanging them changes nothing."""
-    twins = frame_of(stamp("a", [7], [1, 2]), stamp("b", [7], [1, 2]))
+    twins = signed(frame_of(stamp("a", [7], [1, 2]), stamp("b", [7], [1, 2])))
     inj = only(kind)
     inj.outbound(twins)
     assert injected(inj) == {kind: 1} and inj.ledger.recorded == 1 and not inj.ledger.open_slots
@@ -432,7 +439,7 @@ def test_swapping_twin_stamps_of_different_epochs_is_harmless_but_crossing_their
     a, b = stamp("a", [7], [1, 2]), stamp("b", [7], [1, 2])
     b.epoch = a.epoch + 3
     inj = only("swap_slots")
-    inj.outbound(frame_of(a, b))
+    inj.outbound(signed(frame_of(a, b)))
     assert injected(inj) == {"swap_slots": 1} and not inj.ledger.open_slots
     inj = only("cross_ids")
     inj.outbound(frame_of(a, b))
