@@ -34,8 +34,12 @@ tether/v1/%_pb2.py: protos/tether/v1/%.proto $(STAMP)
 run: setup  ## start the local cluster on the default model (SmolLM2-135M-Instruct) and show it answering
 	$(BIN)/tether up --demo
 
-test: setup  ## the whole test suite (unit + services on loopback)
-	$(BIN)/python -m pytest -q
+# Two test processes (pytest-xdist), each test file whole on one of them (its module-scoped cluster is started
+# once): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
+# TEST_WORKERS=0 runs everything in this process (a debugger, or -x on the first failure).
+TEST_WORKERS ?= 2
+test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (~13 min on 2 cores)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # On the default model (SmolLM2-135M), 2 stages: this machine's 2 cores saturate near 0.3 req/s, so the sweep stays low.
 bench: setup  ## load sweep with audit and baselines on the default model, against a cluster this target starts (~15 min)
