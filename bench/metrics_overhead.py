@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP threads starve the other processes
@@ -55,17 +56,34 @@ class Scraper(threading.Thread):
                     self.failures += 1
 
 
-def bench(target: str, args: argparse.Namespace, out: Path) -> dict:
+def bench(target: str, args: argparse.Namespace, out: Path, extra: Sequence[str] = ()) -> dict:
+    """One `tether bench` level against `target` (`extra`: more flags, e.g. credentials or --audit): its
+    summary, after checking that every request completed and, when audited, that none mismatched."""
     cmd = [sys.executable, "-m", "tether.cli.main", "bench", "--target", target, "--model", args.model,
            "--stages", str(args.stages), "--threads", str(args.threads), "--concurrency", str(args.concurrency),
            "--num-requests", str(args.num_requests), "--warmup", "4", "--workload", "synthetic",
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", "0",
-           "--out", str(out), "--quiet"]
+           "--out", str(out), "--quiet", *extra]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     (level,) = json.loads((out / "report.json").read_text())["levels"]
     s = level["summary"]
     assert s["completed"] == s["requests"], f"{s['requests'] - s['completed']} request(s) failed"
+    assert not (level.get("audit") or {}).get("mismatch"), f"audit mismatches: {level['audit']}"
     return s
+
+
+def together(runs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Run each side's level at the same time (one thread each), so that whatever else loads a shared machine
+    loads every side alike; their summaries by side. A side that fails raises after all have ended."""
+    result: dict[str, dict] = {}
+    threads = [threading.Thread(target=lambda side=side, run=run: result.__setitem__(side, run()))
+               for side, run in runs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(result) == set(runs), "a bench run failed (its error is above)"
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,14 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                         cluster = on if side == "on" else off
                         result[side] = bench(cluster.target, args, logs / f"bench-{r}-{side}")
                 else:
-                    threads = [threading.Thread(target=lambda side=side, c=c: result.__setitem__(
-                        side, bench(c.target, args, logs / f"bench-{r}-{side}"))) for side, c in (("off", off),
-                                                                                                 ("on", on))]
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join()
-                    assert set(result) == {"off", "on"}, "a bench run failed (its error is above)"
+                    result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}")
+                                       for side, c in (("off", off), ("on", on))})
             finally:
                 scraper.stop.set()
                 scraper.join()

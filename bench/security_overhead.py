@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,25 +33,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP threads 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from metrics_overhead import bench, together  # noqa: E402 - the same `tether bench` level, the same checks
 from services.admission.auth import key_digest  # noqa: E402
 from tether.cli.cluster import LocalCluster, free_port  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench(target: str, args: argparse.Namespace, out: Path, credentials: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "tether.cli.main", "bench", "--target", target, "--model", args.model,
-           "--stages", str(args.stages), "--threads", str(args.threads), "--concurrency", str(args.concurrency),
-           "--num-requests", str(args.num_requests), "--warmup", "4", "--workload", "synthetic",
-           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", "0",
-           "--audit", "--out", str(out), "--quiet", *credentials]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    (level,) = json.loads((out / "report.json").read_text())["levels"]
-    s = level["summary"]
-    assert s["completed"] == s["requests"], f"{s['requests'] - s['completed']} request(s) failed"
-    audit = level.get("audit") or {}
-    assert not audit.get("mismatch"), f"audit mismatches: {audit}"
-    return s
 
 
 class TreeCluster:
@@ -125,15 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         secure.start(timeout=300)
         credentials = {"plain": [], "secure": ["--tls-ca", str(secure.tls_dir / "ca.pem"), "--api-key", key]}
         for r in range(args.repeats):
-            result: dict[str, dict] = {}
-            threads = [threading.Thread(target=lambda side=side, c=c: result.__setitem__(
-                side, bench(c.target, args, logs / f"bench-{r}-{side}", credentials[side])))
-                for side, c in (("plain", plain), ("secure", secure))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert set(result) == {"plain", "secure"}, "a bench run failed (its error is above)"
+            result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}",
+                                                                  ["--audit", *credentials[side]])
+                               for side, c in (("plain", plain), ("secure", secure))})
             off, on = (result[s]["output_token_throughput"] for s in ("plain", "secure"))
             pairs.append(dict(plain=off, secure=on, ratio=on / off))
             print(f"repeat {r + 1}/{args.repeats}: plaintext {off:.1f} tok/s, secure {on:.1f} tok/s, "

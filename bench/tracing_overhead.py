@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from metrics_overhead import bench  # noqa: E402 - the same `tether bench` level, the same checks
+from metrics_overhead import bench, together  # noqa: E402 - the same `tether bench` level, the same checks
 from tether.cli.cluster import LocalCluster  # noqa: E402 - after the environment is set
 
 _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -89,15 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             for k in traced:
                 os.environ.pop(k, None)
         for r in range(args.repeats):
-            result: dict = {}
             before = receiver.requests
-            threads = [threading.Thread(target=lambda side=side, c=c: result.__setitem__(
-                side, bench(c.target, args, logs / f"bench-{r}-{side}"))) for side, c in (("off", off), ("on", on))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert set(result) == {"off", "on"}, "a bench run failed (its error is above)"
+            result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}")
+                               for side, c in (("off", off), ("on", on))})
             ratio = result["on"]["output_token_throughput"] / result["off"]["output_token_throughput"]
             pairs.append(dict(off=result["off"]["output_token_throughput"], on=result["on"]["output_token_throughput"],
                               ratio=ratio, exports=receiver.requests - before))

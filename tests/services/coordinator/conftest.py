@@ -80,11 +80,30 @@ async def _until(cond, timeout: float = 10.0) -> None:
 
 
 
+async def _run_one(pipe: FakePipeline, req: Request, **engine_args) -> tuple[list, object]:
+    """Run an Engine over `pipe` until `req` ends (a Failure or its last token): its events and the counters."""
+    from services.coordinator.engine import Engine, Failure
+    from tether import supervise
+    engine = Engine(pipe, **engine_args)
+    task = supervise.start("engine", engine.run, engine.crashed, restart_s=0)
+    try:
+        await _until(lambda: engine.serving)
+        events = engine.submit(req)
+        out = []
+        while True:
+            ev = await asyncio.wait_for(events.get(), 30)
+            out.append(ev)
+            if isinstance(ev, Failure) or ev.finish_reason:
+                return out, engine.counters
+    finally:
+        task.cancel()
+
+
 @pytest.fixture
 def kit():
     """The helpers above, for test modules (no imports between test files)."""
     class Kit:
         pass
     k = Kit()
-    k.FakePipeline, k.request, k.until = FakePipeline, request, _until
+    k.FakePipeline, k.request, k.until, k.run_one = FakePipeline, request, _until, _run_one
     return k

@@ -8,9 +8,8 @@ import asyncio
 
 import grpc
 
-from services.coordinator.engine import Engine, Failure
+from services.coordinator.engine import Failure
 from services.stage_worker.worker import echo
-from tether import supervise
 from tether.engine.sequence import TokenOut
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.protocol.stamp_key import StampKey
@@ -58,18 +57,7 @@ async def _run_one(kit, lose, max_rebuilds: int = 5):
     answer, sync = fake_stage(lose)
     pipe = kit.FakePipeline(answer)
     pipe.sync = sync
-    engine = Engine(pipe, frame_timeout_s=0.3, max_rebuilds=max_rebuilds)
-    task = supervise.start("engine", engine.run, engine.crashed, restart_s=0)
-    await kit.until(lambda: engine.serving)
-    events = engine.submit(kit.request("r1", max_tokens=4))
-    out = []
-    while True:
-        ev = await asyncio.wait_for(events.get(), 30)
-        out.append(ev)
-        if isinstance(ev, Failure) or ev.finish_reason:
-            break
-    task.cancel()
-    return out, engine.counters
+    return await kit.run_one(pipe, kit.request("r1", max_tokens=4), frame_timeout_s=0.3, max_rebuilds=max_rebuilds)
 
 
 def test_a_frame_lost_before_the_stages_is_resumed_not_rebuilt(kit):

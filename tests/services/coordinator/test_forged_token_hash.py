@@ -10,9 +10,8 @@ import grpc
 import pytest
 import xxhash
 
-from services.coordinator.engine import Engine, Failure
+from services.coordinator.engine import Failure
 from services.stage_worker.worker import echo
-from tether import supervise
 from tether.engine.sequence import TokenOut
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.protocol.stamp_key import StampKey
@@ -52,18 +51,7 @@ def stage_signing_with(token_hash):
 
 async def _run(kit, token_hash):
     pipe = kit.FakePipeline(stage_signing_with(token_hash or kit.FakePipeline.stamp_key.token_mac))
-    engine = Engine(pipe, frame_timeout_s=5, max_rebuilds=2)
-    task = supervise.start("engine", engine.run, engine.crashed, restart_s=0)
-    await kit.until(lambda: engine.serving)
-    events = engine.submit(kit.request("r1", max_tokens=3))
-    out = []
-    while True:
-        ev = await asyncio.wait_for(events.get(), 30)
-        out.append(ev)
-        if isinstance(ev, Failure) or ev.finish_reason:
-            break
-    task.cancel()
-    return out, engine.counters
+    return await kit.run_one(pipe, kit.request("r1", max_tokens=3), frame_timeout_s=5, max_rebuilds=2)
 
 
 def test_the_pipeline_keys_token_hash_is_accepted(kit):
