@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from tether import settings
-from tether.bench.stats import percentile
+from tether.loadtest.stats import percentile
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient, TetherError
 from tether.model.loader import load_model_tokenizer, resolve_model

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from tether import reference
-from tether.bench import engine, loadgen
-from tether.bench.workloads import SyntheticSpec, Workload, parse_mix
+from tether.loadtest import cluster_stats, loadgen
+from tether.loadtest.workloads import SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 
@@ -109,8 +109,8 @@ async def drive(args: argparse.Namespace, cluster: LocalCluster, workload: Workl
     async with AsyncClient(cluster.target, timeout=args.timeout, retry=None) as client:
         await loadgen.closed_loop(client, requests, loadgen.Level("closed", concurrency=min(4, args.concurrency)),
                                   loadgen.Budget(num_requests=args.warmup), lambda r: None)
-        pids = engine.with_children(services)
-        cpu_before = engine.read_cpu(pids)
+        pids = cluster_stats.with_children(services)
+        cpu_before = cluster_stats.read_cpu(pids)
         t0 = time.monotonic()
         for target in args.checkpoints:
             run = await loadgen.closed_loop(client, requests, level, loadgen.Budget(num_requests=target - done),
@@ -119,12 +119,12 @@ async def drive(args: argparse.Namespace, cluster: LocalCluster, workload: Workl
             for r in run.records:
                 if not r.ok:
                     failed[r.error_code] = failed.get(r.error_code, 0) + 1
-            cpu_after = engine.read_cpu(pids)
-            stats = engine.read_engine(coordinator, stages)
+            cpu_after = cluster_stats.read_cpu(pids)
+            stats = cluster_stats.read_engine(coordinator, stages)
             point = dict(completed=target, pool_fill=pool_fill(stats), elapsed_s=round(time.monotonic() - t0, 1),
                          requests_per_s=round(len(run.records) / run.wall_s, 2),
                          rss_mib={n: None if k is None else round(k / 1024, 1) for n, k in cpu_after["rss_kib"].items()},
-                         rss_kib=cpu_after["rss_kib"], cpu=engine.cpu_delta(cpu_before, cpu_after)["processes"],
+                         rss_kib=cpu_after["rss_kib"], cpu=cluster_stats.cpu_delta(cpu_before, cpu_after)["processes"],
                          engine=stats)
             checkpoints.append(point)
             cpu_before = cpu_after

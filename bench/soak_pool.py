@@ -13,8 +13,8 @@ import random
 from dataclasses import dataclass
 
 from tether import reference
-from tether.bench.baselines import torch_threads
-from tether.bench.workloads import BenchRequest, SyntheticSpec, Workload
+from tether.loadtest.baselines import torch_threads
+from tether.loadtest.workloads import BenchRequest, SyntheticSpec, Workload
 from tether.client import AsyncClient
 
 MIX = {"single": 2.0, "multiturn": 1.0, "synthetic": 2.0}

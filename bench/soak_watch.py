@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tether.bench.engine import proc_rss_kib
-from tether.bench.stats import median
+from tether.loadtest.cluster_stats import proc_rss_kib
+from tether.loadtest.stats import median
 from tether.grpcutil import channel
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 

@@ -6,7 +6,7 @@ slots (N = 1, 16, 64; one token each, after a prefill of --prompt tokens) the wa
 Per frame it times
 
 - coordinator: `StampKey.sign` of every slot + the keyed payload digest (what `Pipeline.send` adds), and the
-  keyed token-hash check of every reply (what `Engine._settle` does);
+  keyed token-hash check of every reply (what `Driver._settle` does);
 - stage: `verify` of every slot + the keyed payload digest + one `token_mac` per slot (the stage's keyed work
   in a last-stage step, redone outside the step on the same slots so it can be timed alone);
 - the step itself: `StageWorker.process` of the frame (checks + layers + sampling, keyed work included);
@@ -71,7 +71,7 @@ class Coordinator:
         return out
 
     def check_tokens(self, results) -> list[tuple[int, int, int]]:
-        """The keyed token check of every result (the Engine's), returning what accept() needs."""
+        """The keyed token check of every result (the Driver's), returning what accept() needs."""
         got = []
         for i, res in enumerate(results):
             after = self.chains[i].peek(self.ids[i][self.fed[i]:] + [res.token_id])

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from tether.client.wire import Messages, encode_messages
-from tether.engine import sampler
-from tether.engine.sequence import Sequence
+from tether.generation import sampler
+from tether.generation.sequence import Sequence
 from tether.model.chat_template import ChatTemplate, load_chat_template, render_conversation
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice, SlotRows

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordinator.engine import Engine
+from services.coordinator.driver import Driver
 from services.coordinator.ledger import UNBOUNDED
 from tether.v1 import coordinator_pb2
 
@@ -16,31 +16,31 @@ DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0
 
 
-def predicted_work(engine: Engine) -> float:
+def predicted_work(driver: Driver) -> float:
     """Prefill tokens still to compute plus weighted output tokens still to sample, over every active request."""
     work = 0.0
-    for req in engine.active():
+    for req in driver.active():
         seq = req.seq
         work += req.pending + DECODE_TOKEN_COST * max(0, seq.sampling.max_tokens - len(seq.output_ids))
     return work
 
 
-def load_report(engine: Engine, fingerprint: str, max_context: int) -> coordinator_pb2.LoadReport:
-    s, ledger = engine.sched, engine.sched.ledger
+def load_report(driver: Driver, fingerprint: str, max_context: int) -> coordinator_pb2.LoadReport:
+    s, ledger = driver.sched, driver.sched.ledger
     total = ledger.capacity if ledger.capacity < UNBOUNDED else 0
     return coordinator_pb2.LoadReport(
-        serving=engine.serving, status=engine.status, model_fingerprint=fingerprint,
+        serving=driver.serving, status=driver.status, model_fingerprint=fingerprint,
         running=len(s.running), waiting=len(s.waiting), preempted=s.num_preempted,
         kv_blocks_total=total, kv_blocks_free=max(0, ledger.pool.available) if total else 0,
-        kv_block_tokens=ledger.block, max_context=max_context, step_seconds=engine.step_seconds,
-        work=predicted_work(engine), cache_generation=ledger.generation,
+        kv_block_tokens=ledger.block, max_context=max_context, step_seconds=driver.step_seconds,
+        work=predicted_work(driver), cache_generation=ledger.generation,
         max_batch_slots=s.max_slots, max_batch_tokens=s.max_tokens)
 
 
 class LoadWatch:
-    """The Watch RPC, mixed into the Coordinator servicer (which has `engine`, `fingerprint` and `cfg`)."""
+    """The Watch RPC, mixed into the Coordinator servicer (which has `driver`, `fingerprint` and `cfg`)."""
 
-    engine: Engine
+    driver: Driver
     fingerprint: str
 
     async def Watch(self, request: coordinator_pb2.WatchRequest, context):
@@ -48,5 +48,5 @@ class LoadWatch:
         interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, interval))
         max_context = self.cfg.max_position_embeddings   # type: ignore[attr-defined]
         while True:
-            yield load_report(self.engine, self.fingerprint, max_context)
+            yield load_report(self.driver, self.fingerprint, max_context)
             await asyncio.sleep(interval)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from services.coordinator.engine import Engine
+from services.coordinator.driver import Driver
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, settings, supervise, telemetry
@@ -76,25 +76,25 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"],
                              max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=args.tls,
                              interceptors=guard)
-    engine = Engine(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
+    driver = Driver(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving, stream_idle_s=args.stream_idle,
                     prefix_cache=not args.no_prefix_cache)
     registry = metrics.new_registry() if args.metrics_port else None
     observed = metrics.CoordinatorMetrics(registry) if registry is not None else None
-    servicer = CoordinatorServicer(engine, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)
+    servicer = CoordinatorServicer(driver, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
     if registry is not None:
-        servicer.metrics, engine.on_batch = observed, observed.on_batch
+        servicer.metrics, driver.on_batch = observed, observed.on_batch
         loop = asyncio.get_running_loop()
-        # the very Stats reply gRPC clients get, built on the loop that owns the engine's state
+        # the very Stats reply gRPC clients get, built on the loop that owns the driver's state
         registry.register(metrics.CoordinatorCollector(
             lambda: metrics.on_loop(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
         port = metrics.serve(registry, args.host, args.metrics_port)
         logs.announce(log, f"coordinator metrics on http://{args.host}:{port}/metrics")
     await server.set_serving(False)
-    loop_task = supervise.start("engine", engine.run, engine.crashed)
+    loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
     try:
         await server.wait_for_signal()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from services.coordinator.ledger import BlockLedger
 from tether.kv.blocks import extend_by_blocks
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether import settings
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
@@ -165,7 +165,7 @@ class Scheduler:
     frames_in_flight: int = 0
     ledger: BlockLedger = field(default_factory=BlockLedger)
     figures: EngineFigures = field(default_factory=EngineFigures)
-    # Filled by next_batch for the engine: requests preempted (their Release to send) and requests that can
+    # Filled by next_batch for the driver: requests preempted (their Release to send) and requests that can
     # never fit in the route's KV (to fail).
     preempted: list[Request] = field(default_factory=list)
     impossible: list[Request] = field(default_factory=list)

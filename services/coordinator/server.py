@@ -8,11 +8,11 @@ import logging
 
 import grpc
 
-from services.coordinator.engine import DuplicateRequest, Engine, Failure
+from services.coordinator.driver import DuplicateRequest, Driver, Failure
 from services.coordinator.load import LoadWatch
 from services.coordinator.pipeline import PipelineDown
 from services.coordinator.scheduler import Request
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
 from tether import settings
@@ -27,9 +27,9 @@ _BATCH_BYTES = 256 * 1024
 
 
 class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
+    def __init__(self, driver: Driver, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S) -> None:
-        self.engine = engine
+        self.driver = driver
         self.metrics: CoordinatorMetrics | None = None   # set by main.py with --metrics-port; None: nothing observed
         self.max_lifetime_s = max_lifetime_s
         self.tokenizer = tokenizer
@@ -65,7 +65,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
             c = tracing.span_context(request.traceparent)
             logs.TRACE_ID.set(f"{c.trace_id:032x}" if c is not None and tracing.TRACER is not None else None)
         try:
-            events = self.engine.submit(req, request.traceparent, request.label)
+            events = self.driver.submit(req, request.traceparent, request.label)
         except PipelineDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except DuplicateRequest as e:
@@ -100,7 +100,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
                     return
         finally:
             if not finished:   # client went away, the call was cancelled or ran out of time: free it now
-                self.engine.cancel(rid, only=req)
+                self.driver.cancel(rid, only=req)
             if self.metrics is not None:
                 self.metrics.ended(rid, failed)
 
@@ -113,10 +113,10 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         await _Session(self, context).run(request_iterator)
 
     async def Cancel(self, request, context):
-        return coordinator_pb2.CancelReply(found=self.engine.cancel(request.request_id))
+        return coordinator_pb2.CancelReply(found=self.driver.cancel(request.request_id))
 
     async def Stats(self, request, context):
-        e, c = self.engine, self.engine.counters
+        e, c = self.driver, self.driver.counters
         f, ledger = e.sched.figures, e.sched.ledger
         return coordinator_pb2.StatsReply(
             serving=e.serving, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
@@ -160,7 +160,7 @@ class _Session:
             return
         req = self.svc._request(request)
         try:
-            events = self.svc.engine.submit(req, request.traceparent, request.label)
+            events = self.svc.driver.submit(req, request.traceparent, request.label)
         except PipelineDown as e:
             self._fail(rid, grpc.StatusCode.UNAVAILABLE, str(e))
             return
@@ -176,7 +176,7 @@ class _Session:
     def _cancel(self, rid: str) -> None:
         task = self.follows.get(rid)
         if task is not None:
-            task.cancel()      # its finally cancels the request in the engine
+            task.cancel()      # its finally cancels the request in the driver
 
     def _expire(self, rid: str, timeout_s: float, given: bool) -> None:
         task = self.follows.get(rid)
@@ -191,8 +191,8 @@ class _Session:
     async def _follow(self, rid: str, label: str, req: Request, events: asyncio.Queue, timeout_s: float,
                       given: bool) -> None:
         logs.set_request(rid, label)   # this task's own context: its log lines carry the request's id
-        if self.svc.engine.traces:
-            spans = self.svc.engine.traces.get(rid)
+        if self.svc.driver.traces:
+            spans = self.svc.driver.traces.get(rid)
             logs.TRACE_ID.set(spans.trace_id if spans is not None else None)
         finished = False
         failed: str | None = None      # the status code name of a Failure, for the metrics
@@ -216,7 +216,7 @@ class _Session:
             if self.follows.get(rid) is asyncio.current_task():
                 del self.follows[rid]
             if not finished:   # cancelled, expired or the stream ended: free it now
-                self.svc.engine.cancel(rid, only=req)
+                self.svc.driver.cancel(rid, only=req)
             if self.svc.metrics is not None:
                 self.svc.metrics.ended(rid, failed)
             if not self.follows:

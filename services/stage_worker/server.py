@@ -35,7 +35,7 @@ from tether.telemetry import tracing
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 _DONE = object()
 _OUT_BUFFER = 64   # replies queued per stream before the stream stops reading frames (backpressure)
 
@@ -377,9 +377,9 @@ class _Relay:
         seq_ok = frame.stream_seq == self.last_seq + 1 or not w.stamp_checks   # unsafe experiment: trust order
         self.last_seq = max(self.last_seq, frame.stream_seq)
         if not seq_ok:
-            return w.reject_all(frame, R.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")
+            return w.reject_all(frame, RejectReason.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")
         if frame.pipeline_epoch != self.svc.pipeline_epoch:
-            return w.reject_all(frame, R.STALE_EPOCH, "frame of another pipeline epoch")
+            return w.reject_all(frame, RejectReason.STALE_EPOCH, "frame of another pipeline epoch")
         return None
 
     async def _route(self, seq: int, outcome: StepOutcome) -> None:

@@ -17,7 +17,7 @@ from tether.kv.paged import PagedKV
 from tether.protocol.hashing import ContextHasher
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 
 
 class Rejected(Exception):
@@ -97,41 +97,41 @@ class StageState:
         st = slot.stamp
         rid, n = st.request_id, len(st.token_ids)
         if not rid or n == 0:
-            raise Rejected(R.BAD_FRAME, "slot without request id or tokens")
+            raise Rejected(RejectReason.BAD_FRAME, "slot without request id or tokens")
         if st.position + n > self.max_context:
-            raise Rejected(R.BAD_FRAME, f"position {st.position}+{n} exceeds the context window {self.max_context}")
+            raise Rejected(RejectReason.BAD_FRAME, f"position {st.position}+{n} exceeds the context window {self.max_context}")
         cached = slot.cached_prefix
         if cached and (st.position != 0 or cached >= n or not self.block or cached % self.block):
-            raise Rejected(R.BAD_FRAME, f"cached_prefix {cached} must be a multiple of {self.block or 'the KV block'}"
+            raise Rejected(RejectReason.BAD_FRAME, f"cached_prefix {cached} must be a multiple of {self.block or 'the KV block'}"
                                         f" below the slot's {n} tokens, at position 0")
         if not self.checks:
             return self._admit_unchecked(slot)
         held = self.requests.get(rid)
         fresh = False
         if held is not None and st.epoch < held.epoch:
-            raise Rejected(R.STALE_EPOCH, f"epoch {st.epoch} is older than held epoch {held.epoch}")
+            raise Rejected(RejectReason.STALE_EPOCH, f"epoch {st.epoch} is older than held epoch {held.epoch}")
         replaces = None
         if held is not None and st.epoch > held.epoch:
             if st.position != 0:
-                raise Rejected(R.STALE_EPOCH, f"new epoch {st.epoch} must start at position 0, not {st.position}")
+                raise Rejected(RejectReason.STALE_EPOCH, f"new epoch {st.epoch} must start at position 0, not {st.position}")
             replaces, held = held, None   # a rebuilt request replaces its old state (freed once the slot passes)
         if held is None:
             if st.position != 0:
-                raise Rejected(R.UNKNOWN_REQUEST, f"no state for {rid} but frame starts at position {st.position}")
+                raise Rejected(RejectReason.UNKNOWN_REQUEST, f"no state for {rid} but frame starts at position {st.position}")
             hasher = ContextHasher(slot.hash_seed)
             held = RequestState(rid, st.epoch, hasher, self._new_kv(rid), hasher.value)
             fresh = True
         elif st.position != held.length:
-            raise Rejected(R.POSITION_GAP, f"frame starts at {st.position}, stage holds {held.length} tokens")
+            raise Rejected(RejectReason.POSITION_GAP, f"frame starts at {st.position}, stage holds {held.length} tokens")
         if held.hasher.seed != slot.hash_seed or held.hasher.value != st.parent_hash:
-            raise Rejected(R.STATE_MISMATCH, "parent hash differs from the context this stage holds")
+            raise Rejected(RejectReason.STATE_MISMATCH, "parent hash differs from the context this stage holds")
         if held.hasher.peek(st.token_ids) != st.context_hash:
-            raise Rejected(R.STATE_MISMATCH, "context hash does not match parent hash + token ids")
+            raise Rejected(RejectReason.STATE_MISMATCH, "context hash does not match parent hash + token ids")
         if held.kv.owner != rid or held.kv_tag != held.hasher.value:
-            raise Rejected(R.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
+            raise Rejected(RejectReason.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
         ids = list(st.token_ids)
         if cached and not fresh:
-            raise Rejected(R.BAD_FRAME, "a cached prefix can only start a new state")
+            raise Rejected(RejectReason.BAD_FRAME, "a cached prefix can only start a new state")
         blocks = self._cached_blocks(slot.hash_seed, ids, cached) if cached else []
         if replaces is not None:
             # The replay must not need room the old epoch's blocks hold (the coordinator's ledger counts
@@ -146,7 +146,7 @@ class StageState:
         the chain of registrations); PREFIX_MISS unless all are there."""
         pool, block = self.pool, self.block
         if pool is None:
-            raise Rejected(R.PREFIX_MISS, "this stage keeps no prefix cache")
+            raise Rejected(RejectReason.PREFIX_MISS, "this stage keeps no prefix cache")
         n = cached // block
 
         def confirm(i: int, b: int, entry, prev) -> bool:
@@ -157,7 +157,7 @@ class StageState:
         found = pool.match(block_keys(seed, ids[:cached], block), confirm)
         pool.count_query(n, len(found))
         if len(found) < n:
-            raise Rejected(R.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
+            raise Rejected(RejectReason.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
         return found
 
     def _admit_unchecked(self, slot: stage_pb2.Slot) -> Admitted:

@@ -14,7 +14,7 @@ import torch
 
 from services.stage_worker.state import Admitted, Rejected, StageState
 from tether import settings
-from tether.engine import sampler
+from tether.generation import sampler
 from tether.kv.cache import KVCache, KVPool, NoCapacity
 from tether.kv.paged import PagedKV
 from tether.model.llama import ModelSlice, SlotRows
@@ -24,7 +24,7 @@ from tether.protocol.stamp_key import StampKey
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 
 
 @dataclass
@@ -92,7 +92,7 @@ class StageWorker:
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.slots_rejected += 1
-        self.rejections[R.Name(reason)] += 1
+        self.rejections[RejectReason.Name(reason)] += 1
         return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False, reason=reason, detail=detail,
                                     stage_index=self.index)
 
@@ -115,20 +115,20 @@ class StageWorker:
             c = s.cached_prefix
             if c and (c >= len(s.stamp.token_ids) or s.stamp.position != 0):
                 # the slot's activation rows would be ill-defined: nothing in this frame can be trusted
-                return self.reject_all(frame, R.BAD_FRAME, f"slot with cached_prefix {c} of "
+                return self.reject_all(frame, RejectReason.BAD_FRAME, f"slot with cached_prefix {c} of "
                                                            f"{len(s.stamp.token_ids)} tokens at position "
                                                            f"{s.stamp.position}")
         rows = sum(len(s.stamp.token_ids) - s.cached_prefix for s in frame.slots)
         if len(frame.slots) > self.limits.max_slots or rows > self.limits.max_rows:
             self.refusals["FRAME_SLOTS" if len(frame.slots) > self.limits.max_slots else "FRAME_ROWS"] += 1
-            return self.reject_all(frame, R.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
+            return self.reject_all(frame, RejectReason.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
                                                        f"stage takes at most {self.limits.max_slots} slots and "
                                                        f"{self.limits.max_rows} rows (advertised at handshake)")
         key = self.stamp_key
         if key is None:
-            return self.reject_all(frame, R.STAMP_FORGED, "no stamp key: this stage has not been handshaken")
+            return self.reject_all(frame, RejectReason.STAMP_FORGED, "no stamp key: this stage has not been handshaken")
         if self.stamp_checks and frame_digest(frame, key) != frame.payload_digest:
-            return self.reject_all(frame, R.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
+            return self.reject_all(frame, RejectReason.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
             if self.model.has_head:
                 return StepOutcome()
@@ -139,9 +139,9 @@ class StageWorker:
             try:
                 hidden = tensors.decode(frame.activations, rows=rows, width=self.model.cfg.hidden_size, dtype=self.dtype)
             except tensors.BadTensor as e:
-                return self.reject_all(frame, R.BAD_TENSOR, f"activations: {e}")
+                return self.reject_all(frame, RejectReason.BAD_TENSOR, f"activations: {e}")
         elif frame.HasField("activations") and frame.activations.data:
-            return self.reject_all(frame, R.BAD_FRAME, "the first stage takes token ids, not activations")
+            return self.reject_all(frame, RejectReason.BAD_FRAME, "the first stage takes token ids, not activations")
         out = StepOutcome()
         admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
         try:
@@ -178,23 +178,23 @@ class StageWorker:
             try:
                 if self.stamp_checks and not key.verify(slot):
                     # first, before anything reads the claim: only the coordinator holds this epoch's key
-                    raise Rejected(R.STAMP_FORGED, "the stamp's MAC is not the pipeline key's over this slot")
+                    raise Rejected(RejectReason.STAMP_FORGED, "the stamp's MAC is not the pipeline key's over this slot")
                 if slot.stamp.request_id in seen:
-                    raise Rejected(R.BAD_FRAME, "request appears twice in one frame")
+                    raise Rejected(RejectReason.BAD_FRAME, "request appears twice in one frame")
                 seen.add(slot.stamp.request_id)
                 if self.model.has_embedding and n and max(slot.stamp.token_ids) >= vocab:
                     # hashes can be consistent over any ids: this stage must not index its embedding with them
-                    raise Rejected(R.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
+                    raise Rejected(RejectReason.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
                                                 f"of {vocab}")
                 if (self.model.has_head and slot.sample and self.stamp_checks
                         and sampling_digest(slot.sampling) != slot.stamp.sampling_digest):
-                    raise Rejected(R.BAD_FRAME, "the slot's sampling parameters do not match its stamp")
+                    raise Rejected(RejectReason.BAD_FRAME, "the slot's sampling parameters do not match its stamp")
                 a = self.state.check(slot)
                 try:
                     a.state.kv.ensure(a.position + n)
                 except NoCapacity as e:
                     self.state.abandon(a)
-                    raise Rejected(R.NO_CAPACITY, str(e)) from None
+                    raise Rejected(RejectReason.NO_CAPACITY, str(e)) from None
                 if a.position > a.state.kv.length:
                     # Only without the checks: a slot may start past what the stage holds, and the rows in
                     # between must read as zeros (wrong state, as in a pipeline without stamps), never as
@@ -319,7 +319,7 @@ class StageTraces:
         for slot, r in traced:
             res = rejected.get(slot.stamp.request_id)
             if res is not None:
-                reason = R.Name(res.reason) if res.reason in R.values() else str(res.reason)
+                reason = RejectReason.Name(res.reason) if res.reason in RejectReason.values() else str(res.reason)
                 r.span.add_event("rejection", {"tether.reason": reason, "tether.detail": res.detail,
                                                "tether.epoch": slot.stamp.epoch,
                                                "tether.position": slot.stamp.position})

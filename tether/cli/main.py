@@ -20,7 +20,7 @@ COMMANDS = {
     "chat": ("talk to a running cluster: an interactive conversation, replies streamed", "tether.cli.chat"),
     "tag": ("show the intent tags admission would give a prompt (no generation)", "tether.cli.generate"),
     "keys": ("make an API key for a tenant (the lines for admission's --tenants FILE)", "tether.cli.keys"),
-    "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.bench.cli"),
+    "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.loadtest.cli"),
     "certs": ("make a local CA and a certificate per service (`tether certs init DIR`, for --tls)",
               "tether.cli.certs"),
     "stage": ("run one stage worker (as a container would)", None),

@@ -9,7 +9,7 @@ carry over. Two kinds of source, chosen so the serving hot path does no extra wo
   source of truth, and nothing is counted twice.
 - Per-request latencies are histograms observed where the request's tokens are already seen: admission
   (`AdmissionMetrics`: time to first token, inter-token latency, end-to-end) and the coordinator's scheduler
-  boundary (`CoordinatorMetrics`: queue time, through Engine.on_batch).
+  boundary (`CoordinatorMetrics`: queue time, through Driver.on_batch).
 
 Collection runs on prometheus-client's HTTP thread. A snapshot of state owned by an asyncio loop is taken on
 that loop (`on_loop`), never read from the HTTP thread while the loop mutates it.
@@ -209,7 +209,7 @@ class CoordinatorMetrics:
         self.pending[request_id] = time.perf_counter()
 
     def on_batch(self, batch: Iterable) -> None:
-        """Engine.on_batch: the requests of a frame about to be sent. A request's first frame ends its queue
+        """Driver.on_batch: the requests of a frame about to be sent. A request's first frame ends its queue
         time; a frame after a rebuild or a preemption does not count again (its id is no longer pending)."""
         if not self.pending:
             return

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.coordinator.scheduler import Request
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
 from tether.protocol.stamp_key import StampKey
@@ -80,21 +80,21 @@ async def _until(cond, timeout: float = 10.0) -> None:
 
 
 
-async def _run_one(pipe: FakePipeline, req: Request, **engine_args) -> tuple[list, object]:
-    """Run an Engine over `pipe` until `req` ends (a Failure or its last token): its events and the counters."""
-    from services.coordinator.engine import Engine, Failure
+async def _run_one(pipe: FakePipeline, req: Request, **driver_args) -> tuple[list, object]:
+    """Run an Driver over `pipe` until `req` ends (a Failure or its last token): its events and the counters."""
+    from services.coordinator.driver import Driver, Failure
     from tether import supervise
-    engine = Engine(pipe, **engine_args)
-    task = supervise.start("engine", engine.run, engine.crashed, restart_s=0)
+    driver = Driver(pipe, **driver_args)
+    task = supervise.start("driver", driver.run, driver.crashed, restart_s=0)
     try:
-        await _until(lambda: engine.serving)
-        events = engine.submit(req)
+        await _until(lambda: driver.serving)
+        events = driver.submit(req)
         out = []
         while True:
             ev = await asyncio.wait_for(events.get(), 30)
             out.append(ev)
             if isinstance(ev, Failure) or ev.finish_reason:
-                return out, engine.counters
+                return out, driver.counters
     finally:
         task.cancel()
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import xxhash
 
-from services.coordinator.engine import Failure
+from services.coordinator.driver import Failure
 from services.stage_worker.worker import echo
-from tether.engine.sequence import TokenOut
+from tether.generation.sequence import TokenOut
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
@@ -28,7 +28,7 @@ def unkeyed(chain_after: int, rid: str, epoch: int, position: int, digest: int, 
 
 def stage_signing_with(token_hash):
     """A one-stage fake that keeps real chains and signs each token with `token_hash(chain, rid, epoch,
-    position, digest, token)`; `None` means the pipeline's own key (set once the engine is built)."""
+    position, digest, token)`; `None` means the pipeline's own key (set once the driver is built)."""
     chains: dict[str, ContextHasher] = {}
 
     def answer(conn, seq, slots):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.coordinator.ledger import BlockLedger
 from services.coordinator.scheduler import Request, Scheduler
 from services.stage_worker.worker import echo
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether.kv.blocks import BlockPool, block_keys
 from tether.kv.cache import NoCapacity
 from tether.model.loader import load_model_tokenizer, resolve_model
@@ -45,7 +45,7 @@ def complete(s: Scheduler, batch: list[Request], token: int = 66) -> None:
 
 
 def finish(s: Scheduler, r: Request) -> None:
-    """What the engine does when a request ends: remove it, release, and the stages answer."""
+    """What the driver does when a request ends: remove it, release, and the stages answer."""
     s.remove(r)
     s.ledger.release_begin(r.id)
     s.released(r.id)
@@ -194,7 +194,7 @@ def test_kv_pressure_completes_every_request_with_preemptions_and_no_refusals():
         if all(r.done for r in reqs):
             break
         batch = s.next_batch()
-        for p in s.preempted:                      # the engine releases them; the stages answer at once
+        for p in s.preempted:                      # the driver releases them; the stages answer at once
             s.released(p.id)
         s.preempted.clear()
         assert not s.impossible

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.coordinator.scheduler import Request, Scheduler, start_class
 from services.stage_worker.worker import echo
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from services.coordinator.scheduler import Request, Scheduler
 from services.stage_worker.worker import echo
-from tether.engine.sequence import Sequence
+from tether.generation.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import context_hash, hash_seed
 from tether.reference import sampling_params
@@ -26,7 +26,7 @@ def req(rid: str, prompt_len: int = 4, priority: str = "standard", max_tokens: i
 
 
 def complete(sched: Scheduler, batch: list[Request], token: int = 66) -> None:
-    """What the engine does when a frame's echoes all match: confirm, append (unless the stamp was a
+    """What the driver does when a frame's echoes all match: confirm, append (unless the stamp was a
     prefill chunk, which samples nothing), free the frame slot."""
     sched.frame_done()
     for r in batch:

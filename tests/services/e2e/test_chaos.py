@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tether import reference
-from tether.bench.chaos import read_ledger
+from tether.loadtest.chaos import read_ledger
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient, TetherError
 from tether.faults import FOLLOWED
@@ -41,7 +41,7 @@ CASES = [dict(prompt=p, max_tokens=mt, **extra) for p, mt, extra in [
 class Ledger:
     """The injectors' ledger (tether/faults.py) from every service log: each fault, its slots and their fate."""
 
-    faults: dict = field(default_factory=dict)        # (service, life, number) -> fault (tether.bench.chaos)
+    faults: dict = field(default_factory=dict)        # (service, life, number) -> fault (tether.loadtest.chaos)
     rebuilds: Counter = field(default_factory=Counter)  # request id -> rebuilds the coordinator logged
 
     @classmethod

@@ -13,7 +13,7 @@ import pytest
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 OTHER = StampKey(bytes(range(100, 132)))   # a key the stages were never given
 
 
@@ -34,7 +34,7 @@ def tail(start_stage):
 
 
 def reasons(reply) -> list[str]:
-    return [R.Name(r.reason) if not r.ok else "ok" for r in reply.results]
+    return [RejectReason.Name(r.reason) if not r.ok else "ok" for r in reply.results]
 
 
 def unkeyed_mac(slot: stage_pb2.Slot) -> int:

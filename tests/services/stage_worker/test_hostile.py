@@ -21,7 +21,7 @@ import torch
 from tether import settings
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -42,7 +42,7 @@ def full(start_stage):
 
 
 def reasons(reply) -> list[str]:
-    return [R.Name(r.reason) if not r.ok else "ok" for r in reply.results]
+    return [RejectReason.Name(r.reason) if not r.ok else "ok" for r in reply.results]
 
 
 def fingerprint(stage, *rids):
@@ -357,11 +357,11 @@ def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_
     st = s.stream()
     a, b, c = (kit.Req(f"lim-{i}", [5, 6, 7]) for i in range(3))
     reply = st.ask(st.frame([a.slot(), b.slot(), c.slot()]))            # 3 slots > 2
-    assert [r.reason for r in reply.results] == [R.BAD_FRAME] * 3
+    assert [r.reason for r in reply.results] == [RejectReason.BAD_FRAME] * 3
     assert all("at most 2 slots" in r.detail and "advertised" in r.detail for r in reply.results)
     long = kit.Req("lim-long", list(range(10, 19)))                       # 9 rows > 8
     (res,) = st.ask(st.frame([long.slot()])).results
-    assert res.reason == R.BAD_FRAME and "8 rows" in res.detail
+    assert res.reason == RejectReason.BAD_FRAME and "8 rows" in res.detail
     assert all(not held for _, held, *_ in s.held("lim-0", "lim-1", "lim-2", "lim-long"))   # nothing ran
     ok = st.ask(st.frame([a.slot(), b.slot()])).results                  # within the limits: served
     assert all(r.ok for r in ok)

@@ -18,7 +18,7 @@ from tether.v1 import stage_pb2
 
 KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 BLOCK = settings.ATTENTION_BLOCK
 SHARED = [(7 * i + 3) % 250 + 1 for i in range(2 * BLOCK)]      # two full blocks of a "system prompt"
 PARAMS = reference.sampling_params(max_tokens=1, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_a_hit_gives_the_bits_of_a_cold_prefill(slices):
     assert [len(w.arena.pool.evictable) for w in warm.w] == [2, 2]
     prompt = SHARED + [42, 43, 44]
     res, fwd = warm.run(slot("b", prompt, cached=2 * BLOCK))
-    assert res["b"].ok, (R.Name(res["b"].reason), res["b"].detail)
+    assert res["b"].ok, (RejectReason.Name(res["b"].reason), res["b"].detail)
     assert len(fwd.activations.data) == 3 * hidden * 4   # only the 3 uncached rows travel
 
     cold = Pipe(slices)
@@ -118,7 +118,7 @@ def test_a_hit_is_refused_when_the_tokens_differ_even_if_the_key_matches(slices,
     monkeypatch.setattr(state_module, "block_keys", collide)
     other = [t + 1 for t in SHARED]
     res, _ = pipe.run(slot("b", other + [1], cached=2 * BLOCK))
-    assert res["b"].reason == R.PREFIX_MISS and res["b"].stage_index == 0
+    assert res["b"].reason == RejectReason.PREFIX_MISS and res["b"].stage_index == 0
     assert "b" not in pipe.w[0].state.requests
     assert pipe.w[0].arena.pool.counters.hits == 0 and pipe.w[0].rejections["PREFIX_MISS"] == 1
     # the same stub with the right tokens is a hit: the refusal came from the token comparison
@@ -132,12 +132,12 @@ def test_tenants_never_share_a_block(slices, monkeypatch):
     assert res["a"].ok
     pipe.release("a")
     res, _ = pipe.run(slot("b", SHARED + [1], cached=2 * BLOCK, tenant="globex"))
-    assert res["b"].reason == R.PREFIX_MISS
+    assert res["b"].reason == RejectReason.PREFIX_MISS
     # even a key forced to collide across tenants is refused: the block's seed is compared as well
     real_keys = state_module.block_keys
     monkeypatch.setattr(state_module, "block_keys", lambda seed, ids, block: real_keys(seed_of("acme"), ids, block))
     res, _ = pipe.run(slot("c", SHARED + [1], cached=2 * BLOCK, tenant="globex"))
-    assert res["c"].reason == R.PREFIX_MISS
+    assert res["c"].reason == RejectReason.PREFIX_MISS
     assert pipe.w[0].arena.pool.counters.hits == 0
     res, _ = pipe.run(slot("d", SHARED + [1], cached=2 * BLOCK, tenant="acme"))
     assert res["d"].ok
@@ -155,7 +155,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first_and_only_for_room(s
     res, _ = pipe.run(slot("c", [3] * (3 * BLOCK - 1)))                     # 3 blocks: 2 free + 1 evicted
     assert res["c"].ok and pool.counters.evictions == 1
     res, _ = pipe.run(slot("d", SHARED[:BLOCK] + [1], cached=BLOCK))
-    assert res["d"].reason == R.PREFIX_MISS                                  # a0 was the least recently used
+    assert res["d"].reason == RejectReason.PREFIX_MISS                                  # a0 was the least recently used
     pipe.release("c")
     res, _ = pipe.run(slot("e", SHARED[BLOCK:] + [2], cached=BLOCK))
     assert res["e"].ok                                                        # b0 survived
@@ -168,5 +168,5 @@ def test_a_malformed_cached_prefix_rejects_the_frame(slices, cached, position, w
     s = slot("a", SHARED, cached=cached)
     s.stamp.position = position
     res, fwd = pipe.run(s)
-    assert fwd is None and res["a"].reason in (R.BAD_FRAME,) and res["a"].stage_index == 0
+    assert fwd is None and res["a"].reason in (RejectReason.BAD_FRAME,) and res["a"].stage_index == 0
     assert pipe.w[0].state.requests == {}

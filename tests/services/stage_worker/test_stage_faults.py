@@ -15,7 +15,7 @@ import pytest
 from tether import reference
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 PROMPTS = [list(b"The quick brown fox"), list("今天天气很好".encode()), list(b"hello world"), list(b"abc")]
 STEPS = 6
 
@@ -31,7 +31,7 @@ def expected():
 
 
 def reasons(reply) -> list[str]:
-    return [R.Name(r.reason) if not r.ok else "ok" for r in reply.results]
+    return [RejectReason.Name(r.reason) if not r.ok else "ok" for r in reply.results]
 
 
 def generate(stage, kit, rid_prefix: str, checks: bool = True) -> tuple[dict[int, list[int]], int]:

@@ -30,7 +30,7 @@ from tether.v1 import stage_pb2
 
 KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 SEEDS = [hash_seed("fp", ""), hash_seed("fp", "tenant-b")]
 RIDS = ["a", "b", "c"]
 MAX_CONTEXT = 16
@@ -170,8 +170,8 @@ def test_check_accepts_exactly_the_consistent_slots_and_rejection_changes_nothin
         try:
             a = stage.state.check(slot)
         except Rejected as e:
-            event(f"rejected {R.Name(e.reason)}")
-            assert not expected, f"rejected a consistent slot: {R.Name(e.reason)} {e.detail}"
+            event(f"rejected {RejectReason.Name(e.reason)}")
+            assert not expected, f"rejected a consistent slot: {RejectReason.Name(e.reason)} {e.detail}"
             assert stage.snapshot() == before, "a rejection changed the stage's state"
             continue
         event("accepted")
@@ -203,7 +203,7 @@ def test_unchecked_mode_admits_without_raising_on_anything_within_the_window(slo
         try:
             a = stage.state.check(slot)
         except Rejected as e:
-            assert not well_formed and e.reason == R.BAD_FRAME
+            assert not well_formed and e.reason == RejectReason.BAD_FRAME
             continue
         assert well_formed
         a.state.kv.ensure(a.position + len(a.token_ids))
@@ -366,5 +366,5 @@ def test_process_never_raises_and_unadmitted_requests_keep_their_state(slices, w
         assert w.kv_used_tokens() == used
     for r in out.results:
         if not r.ok:
-            assert r.reason != R.REJECT_REASON_NONE and r.detail
+            assert r.reason != RejectReason.REJECT_REASON_NONE and r.detail
     assert len(out.results) + (len(out.forward.slots) if out.forward is not None else 0) == len(frame.slots)

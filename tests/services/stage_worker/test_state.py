@@ -15,7 +15,7 @@ BLOCK = settings.ATTENTION_BLOCK
 from tether.protocol.hashing import context_hash, hash_seed
 from tether.v1 import stage_pb2
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 SEED = hash_seed("fp", "")
 OTHER_SEED = hash_seed("fp", "other-tenant")
 MAX_CONTEXT = 64
@@ -85,66 +85,66 @@ def reject(stage: Stage, s: stage_pb2.Slot, reason: int) -> str:
     before = stage.snapshot(s.stamp.request_id)
     with pytest.raises(Rejected) as e:
         stage.state.check(s)
-    assert e.value.reason == reason, (R.Name(e.value.reason), e.value.detail)
+    assert e.value.reason == reason, (RejectReason.Name(e.value.reason), e.value.detail)
     assert stage.snapshot(s.stamp.request_id) == before
     return e.value.detail
 
 
 def test_unknown_request(stage):
-    assert "no state for b" in reject(stage, slot("b", [1], PROMPT), R.UNKNOWN_REQUEST)
+    assert "no state for b" in reject(stage, slot("b", [1], PROMPT), RejectReason.UNKNOWN_REQUEST)
     assert "b" not in stage.state.requests
 
 
 @pytest.mark.parametrize("position", [0, 2, 3, 5, 100 - 60])
 def test_position_gap(stage, position):
     s = slot("a", [9], PROMPT[:position] if position <= 4 else PROMPT + [0] * (position - 4))
-    assert "stage holds 4 tokens" in reject(stage, s, R.POSITION_GAP)
+    assert "stage holds 4 tokens" in reject(stage, s, RejectReason.POSITION_GAP)
 
 
 def test_state_mismatch_parent_hash(stage):
     s = slot("a", [9], PROMPT, parent=context_hash(SEED, PROMPT) ^ 1)
-    assert "parent hash" in reject(stage, s, R.STATE_MISMATCH)
+    assert "parent hash" in reject(stage, s, RejectReason.STATE_MISMATCH)
     # a different history of the same length: right position, wrong parent
-    assert "parent hash" in reject(stage, slot("a", [9], [5, 6, 7, 0]), R.STATE_MISMATCH)
+    assert "parent hash" in reject(stage, slot("a", [9], [5, 6, 7, 0]), RejectReason.STATE_MISMATCH)
 
 
 def test_state_mismatch_hash_seed(stage):
     """The same tokens under another tenant's seed are another context."""
     s = slot("a", [9], PROMPT)
     s.hash_seed = OTHER_SEED
-    reject(stage, s, R.STATE_MISMATCH)
-    reject(stage, slot("a", [9], PROMPT, seed=OTHER_SEED), R.STATE_MISMATCH)
+    reject(stage, s, RejectReason.STATE_MISMATCH)
+    reject(stage, slot("a", [9], PROMPT, seed=OTHER_SEED), RejectReason.STATE_MISMATCH)
 
 
 def test_state_mismatch_context_hash(stage):
     s = slot("a", [9], PROMPT, context=context_hash(SEED, PROMPT + [10]))
-    assert "context hash" in reject(stage, s, R.STATE_MISMATCH)
+    assert "context hash" in reject(stage, s, RejectReason.STATE_MISMATCH)
     # token ids swapped after the hashes were computed
     s = slot("a", [9, 10], PROMPT)
     s.stamp.token_ids[:] = [10, 9]
-    assert "context hash" in reject(stage, s, R.STATE_MISMATCH)
+    assert "context hash" in reject(stage, s, RejectReason.STATE_MISMATCH)
 
 
 def test_state_mismatch_on_a_fresh_request():
     stage = Stage()
-    reject(stage, slot("n", [1, 2], parent=123), R.STATE_MISMATCH)
-    reject(stage, slot("n", [1, 2], context=123), R.STATE_MISMATCH)
+    reject(stage, slot("n", [1, 2], parent=123), RejectReason.STATE_MISMATCH)
+    reject(stage, slot("n", [1, 2], context=123), RejectReason.STATE_MISMATCH)
     assert stage.state.requests == {} and stage.pool.used_tokens == 0
 
 
 def test_stale_epoch(stage):
     stage.step(slot("a", PROMPT, epoch=3))                   # rebuilt at epoch 3
-    assert "older than held epoch 3" in reject(stage, slot("a", [9], PROMPT, epoch=2), R.STALE_EPOCH)
-    assert "older" in reject(stage, slot("a", PROMPT, epoch=1), R.STALE_EPOCH)
+    assert "older than held epoch 3" in reject(stage, slot("a", [9], PROMPT, epoch=2), RejectReason.STALE_EPOCH)
+    assert "older" in reject(stage, slot("a", PROMPT, epoch=1), RejectReason.STALE_EPOCH)
 
 
 def test_new_epoch_must_start_at_zero(stage):
-    assert "must start at position 0" in reject(stage, slot("a", [9], PROMPT, epoch=2), R.STALE_EPOCH)
+    assert "must start at position 0" in reject(stage, slot("a", [9], PROMPT, epoch=2), RejectReason.STALE_EPOCH)
 
 
 def test_kv_tag_mismatch_by_corrupted_tag(stage):
     stage.state.requests["a"].kv_tag ^= 1
-    assert "tagged for another context" in reject(stage, slot("a", [9], PROMPT), R.KV_TAG_MISMATCH)
+    assert "tagged for another context" in reject(stage, slot("a", [9], PROMPT), RejectReason.KV_TAG_MISMATCH)
 
 
 def test_kv_tag_mismatch_by_foreign_owner(stage):
@@ -152,11 +152,11 @@ def test_kv_tag_mismatch_by_foreign_owner(stage):
     stage.step(slot("b", [1, 2, 3, 4]))
     a, b = stage.state.requests["a"], stage.state.requests["b"]
     a.kv, b.kv = b.kv, a.kv
-    reject(stage, slot("a", [9], PROMPT), R.KV_TAG_MISMATCH)
-    reject(stage, slot("b", [9], [1, 2, 3, 4]), R.KV_TAG_MISMATCH)
+    reject(stage, slot("a", [9], PROMPT), RejectReason.KV_TAG_MISMATCH)
+    reject(stage, slot("b", [9], [1, 2, 3, 4]), RejectReason.KV_TAG_MISMATCH)
     a.kv.owner = "a"                                         # right owner, but a stale tag still fails
     a.kv_tag = context_hash(SEED, [1, 2, 3])
-    reject(stage, slot("a", [9], PROMPT), R.KV_TAG_MISMATCH)
+    reject(stage, slot("a", [9], PROMPT), RejectReason.KV_TAG_MISMATCH)
 
 
 @pytest.mark.parametrize("bad", ["no id", "no tokens", "past the window"])
@@ -167,7 +167,7 @@ def test_bad_frame(stage, bad):
         s = slot("a", [], PROMPT)
     else:
         s = slot("a", [1] * (MAX_CONTEXT - 3), PROMPT)
-    reject(stage, s, R.BAD_FRAME)
+    reject(stage, s, RejectReason.BAD_FRAME)
 
 
 def test_window_boundary_is_inclusive(stage):
@@ -209,13 +209,13 @@ def test_new_epoch_frees_the_old_state_as_soon_as_its_slot_passes(stage):
     assert new is a.state and new.epoch == 2 and new.length == 6
     assert new.hasher.value == context_hash(SEED, rebuilt)
     # and the old epoch is now refused
-    reject(stage, slot("a", [9], PROMPT, epoch=1), R.STALE_EPOCH)
+    reject(stage, slot("a", [9], PROMPT, epoch=1), RejectReason.STALE_EPOCH)
 
 
 def test_a_refused_new_epoch_keeps_the_old_state(stage):
     old = stage.state.requests["a"]
     before = stage.snapshot("a")
-    reject(stage, slot("a", [1, 2, 3], epoch=2, context=123), R.STATE_MISMATCH)
+    reject(stage, slot("a", [1, 2, 3], epoch=2, context=123), RejectReason.STATE_MISMATCH)
     assert stage.snapshot("a") == before and stage.state.requests["a"] is old
 
 
@@ -241,7 +241,7 @@ def test_release_frees_kv_back_to_the_pool(stage):
     assert stage.state.release(["a", "b", "missing"]) == 2
     assert stage.pool.used_tokens == 0 and stage.state.requests == {}
     assert stage.state.release(["a"]) == 0                   # idempotent
-    reject(stage, slot("a", [9], PROMPT), R.UNKNOWN_REQUEST)
+    reject(stage, slot("a", [9], PROMPT), RejectReason.UNKNOWN_REQUEST)
 
 
 def test_lease_expiry_frees_only_idle_state(stage):

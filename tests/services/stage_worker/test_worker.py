@@ -17,7 +17,7 @@ from tether.v1 import common_pb2, stage_pb2
 
 KEY = StampKey(bytes(range(32)))   # the pipeline's stamp key, as a handshake would set it
 
-R = stage_pb2.RejectReason
+RejectReason = stage_pb2.RejectReason
 CAPACITY = 100_000
 
 
@@ -105,7 +105,7 @@ def step(pipe: Pipe, reqs: list[Req]) -> dict[str, int]:
     tokens = {}
     for r, s in zip(reqs, slots):
         res = results[r.rid]
-        assert res.ok, (R.Name(res.reason), res.detail)
+        assert res.ok, (RejectReason.Name(res.reason), res.detail)
         assert res.has_token and res.stage_index == 1
         assert res.stamp == stage_pb2.Stamp(request_id=r.rid, epoch=r.epoch, position=s.stamp.position,
                                             parent_hash=s.stamp.parent_hash, context_hash=s.stamp.context_hash,
@@ -180,7 +180,7 @@ def _assert_all_rejected(results, reqs, reason, stage):
     assert len(results) == len(reqs)
     res = by_id(results)
     for r in reqs:
-        assert not res[r.rid].ok and res[r.rid].reason == reason, (R.Name(res[r.rid].reason), res[r.rid].detail)
+        assert not res[r.rid].ok and res[r.rid].reason == reason, (RejectReason.Name(res[r.rid].reason), res[r.rid].detail)
         assert res[r.rid].stage_index == stage and not res[r.rid].has_token
         assert list(res[r.rid].stamp.token_ids) == []       # the echo omits the token ids
 
@@ -193,7 +193,7 @@ def test_bad_digest_at_stage_0(pipe):
     reqs = _two_requests()
     f = frame(*(r.slot() for r in reqs))
     f.payload_digest ^= 1
-    _assert_all_rejected(pipe.run(f), reqs, R.DIGEST_MISMATCH, 0)
+    _assert_all_rejected(pipe.run(f), reqs, RejectReason.DIGEST_MISMATCH, 0)
     assert pipe.used == (0, 0) and pipe.w0.state.requests == {}
 
 
@@ -209,7 +209,7 @@ def test_digest_binds_slot_hashes(pipe):
     del fwd.slots[:]
     fwd.slots.extend([s1, s0])
     used = pipe.w1.kv_used_tokens()
-    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.DIGEST_MISMATCH, 1)
+    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, RejectReason.DIGEST_MISMATCH, 1)
     assert pipe.w1.kv_used_tokens() == used == 0 and pipe.w1.state.requests == {}
 
 
@@ -225,7 +225,7 @@ def test_tampered_activation_bytes_at_stage_1(pipe):
     data = bytearray(fwd.activations.data)
     data[100] ^= 0x40
     fwd.activations.data = bytes(data)
-    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.DIGEST_MISMATCH, 1)
+    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, RejectReason.DIGEST_MISMATCH, 1)
     assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
 
 
@@ -244,7 +244,7 @@ def test_bad_tensor_at_stage_1(pipe, corrupt):
     else:
         fwd.activations.data = fwd.activations.data[:-4]
     KEY.seal(fwd)      # the digest is right: only the tensor check can catch it
-    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
+    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, RejectReason.BAD_TENSOR, 1)
     assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
 
 
@@ -263,7 +263,7 @@ def test_non_finite_activations_at_stage_1(pipe, bad):
     h[1, 3] = bad
     fwd.activations.CopyFrom(tensors.encode(h))
     KEY.seal(fwd)
-    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, R.BAD_TENSOR, 1)
+    _assert_all_rejected(pipe.w1.process(fwd).results, reqs, RejectReason.BAD_TENSOR, 1)
     assert pipe.w1.kv_used_tokens() == before_used
     assert [pipe.w1.state.held(r.rid) for r in reqs] == before_held
 
@@ -272,7 +272,7 @@ def test_first_stage_refuses_activations(pipe):
     reqs = _two_requests()
     f = frame(*(r.slot() for r in reqs), activations=tensors.encode(torch.zeros(len(reqs[0].ids) + len(reqs[1].ids),
                                                                                  256)))
-    _assert_all_rejected(pipe.run(f), reqs, R.BAD_FRAME, 0)
+    _assert_all_rejected(pipe.run(f), reqs, RejectReason.BAD_FRAME, 0)
     assert pipe.used == (0, 0)
 
 
@@ -289,7 +289,7 @@ def test_duplicated_request_id_is_rejected(lm, slices):
     results = dup.run(frame(r.slot(), other.slot()))
     solo_results = solo.run(frame(r.slot()))
     rejected = [x for x in results if not x.ok]
-    assert len(rejected) == 1 and rejected[0].reason == R.BAD_FRAME and rejected[0].stage_index == 0
+    assert len(rejected) == 1 and rejected[0].reason == RejectReason.BAD_FRAME and rejected[0].stage_index == 0
     assert "twice" in rejected[0].detail
     assert rejected[0].stamp.context_hash == other.slot().stamp.context_hash
     assert dup.used == solo.used                           # the duplicate reserved no KV
@@ -307,7 +307,7 @@ def test_duplicated_bad_slot_changes_nothing(pipe):
     bad = r.slot()
     bad.stamp.context_hash ^= 1
     results = pipe.run(frame(bad, bad))
-    assert [x.reason for x in results] == [R.STATE_MISMATCH, R.BAD_FRAME]
+    assert [x.reason for x in results] == [RejectReason.STATE_MISMATCH, RejectReason.BAD_FRAME]
     assert pipe.used == used and pipe.held("a") == stale
 
 
@@ -325,14 +325,14 @@ def test_one_bad_slot_does_not_stop_the_others(lm, slices, where):
         bad = reqs[1].slot()
         bad.stamp.parent_hash ^= 1
         results = pipe.run(frame(reqs[0].slot(), bad, reqs[2].slot()))
-        rejected_at, reason = 0, R.STATE_MISMATCH
+        rejected_at, reason = 0, RejectReason.STATE_MISMATCH
     else:
         out0 = pipe.w0.process(frame(*(r.slot() for r in reqs)))
         fwd = out0.forward
         fwd.slots[1].stamp.context_hash ^= 1
         KEY.seal(fwd)
         results = [*out0.results, *pipe.w1.process(fwd).results]
-        rejected_at, reason = 1, R.STATE_MISMATCH
+        rejected_at, reason = 1, RejectReason.STATE_MISMATCH
     res = by_id(results)
     assert not res["zh"].ok and res["zh"].reason == reason and res["zh"].stage_index == rejected_at
     assert not pipe.w1.state.held("zh").held               # stage 1 never admitted it
@@ -366,7 +366,7 @@ def test_unknown_request_and_position_gap(pipe):
     gap = r.slot()
     gap.stamp.position += 1
     res = by_id(pipe.run(frame(late.slot(), gap)))
-    assert res["ghost"].reason == R.UNKNOWN_REQUEST and res["a"].reason == R.POSITION_GAP
+    assert res["ghost"].reason == RejectReason.UNKNOWN_REQUEST and res["a"].reason == RejectReason.POSITION_GAP
     assert pipe.used == used and pipe.held("a") == held and not pipe.w0.state.held("ghost").held
 
 
@@ -381,7 +381,7 @@ def test_stale_epoch_after_rebuild(lm, pipe):
     assert step(pipe, [r])["a"] == want[1]
     assert pipe.held("a")[0][1] == 2 and first == want[0]
     res = pipe.run(frame(old))
-    assert len(res) == 1 and res[0].reason == R.STALE_EPOCH and res[0].stage_index == 0
+    assert len(res) == 1 and res[0].reason == RejectReason.STALE_EPOCH and res[0].stage_index == 0
     assert step(pipe, [r])["a"] == want[2]
 
 
@@ -391,7 +391,7 @@ def test_no_capacity_rejects_only_the_slot_that_does_not_fit(lm, slices):
     small = Req("small", list(PROMPTS["one"]))
     big = Req("big", list(range(60)))                       # one block for "small" leaves 8 slots: 60 do not fit
     res = by_id(pipe.run(frame(small.slot(), big.slot())))
-    assert res["small"].ok and res["big"].reason == R.NO_CAPACITY and res["big"].stage_index == 0
+    assert res["small"].ok and res["big"].reason == RejectReason.NO_CAPACITY and res["big"].stage_index == 0
     assert pipe.used == (block, block) and not pipe.w0.state.held("big").held
     params = reference.sampling_params(max_tokens=1, ignore_eos=True)
     assert res["small"].token_id == ref_tokens(lm, PROMPTS["one"], params)[0]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from tether.generation.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.model.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, Tokenizer
 

@@ -1,0 +1,573 @@
+"""The driver loop: feeds micro-batches into the pipeline, checks every echoed stamp, appends tokens, and
+recovers a request's state when anything goes wrong (docs/PROTOCOL.md "Recovery").
+
+- A rejected slot, a wrong echo or a missing result: the request is rebuilt (new request epoch, whole
+  context replayed from position 0).
+- A frame unanswered for `frame_timeout_s`: its requests are synced (SyncState on every stage) and resumed
+  where every stage agrees with the coordinator's record, else rebuilt.
+- A broken pipeline (stream failed, stage died): the driver re-handshakes until the route is back, syncs
+  every active request and continues; requests fail with UNAVAILABLE only after `recovery_window_s`.
+Tokens already sent to a client never change: a rebuild replays them as context, and sampling is keyed
+by (seed, position), so generation continues exactly where it was.
+
+Every path that ends a request (finish, cancel, failure, a crash of this loop) queues a Release of its
+state on every stage; `run` is supervised (tether/supervise.py): an unexpected error fails the active
+requests with INTERNAL, turns health NOT_SERVING and restarts the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.coordinator.ledger import UNBOUNDED
+from services.coordinator.pipeline import Pipeline, PipelineDown
+from services.coordinator.scheduler import Request, Scheduler
+from tether import settings
+from tether.generation.sequence import TokenOut
+from tether.telemetry import tracing
+from tether.v1 import common_pb2, stage_pb2
+
+log = logging.getLogger(__name__)
+RejectReason = stage_pb2.RejectReason
+RELEASE_ATTEMPTS = 3    # a Release that fails is retried this often; past that the stages' leases free it
+
+
+class DuplicateRequest(Exception):
+    """A request id that is already active: ids key every piece of state, so they must be unique."""
+
+
+def reason_name(reason: int) -> str:
+    """A RejectReason's name; a value this build does not know (a newer or hostile peer) still gets one."""
+    try:
+        return RejectReason.Name(reason)
+    except ValueError:
+        return f"UNKNOWN_REASON_{reason}"
+
+
+@dataclass
+class Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class Counters:
+    tokens: int = 0
+    finished: int = 0
+    failed: int = 0
+    rebuilds: int = 0
+    resumes: int = 0
+    recovered: int = 0
+    reconnects: int = 0
+    prefix_misses: int = 0
+    rejections: Counter = field(default_factory=Counter)   # reason name -> slots
+
+
+def finish_reason_name(reason: int) -> str:
+    """FINISH_REASON_STOP -> "stop" (gen_ai.response.finish_reasons, as admission's metrics name them)."""
+    try:
+        return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    except ValueError:
+        return f"unknown_{reason}"
+
+
+class RequestSpans:
+    """The coordinator's spans of one traced request (only while tracing is on): `coordinator request`, child
+    of admission's span, and under it one phase span at a time, `coordinator queue` (submitted until its first
+    frame), `coordinator prefill` (first frame until its first token; an event per prefill chunk) and
+    `coordinator decode` (first token to the end). Rebuilds, resumes, resyncs, prefix misses and preemptions
+    are events of the request span with their reason; per-token work adds nothing. Its traceparent travels in
+    every slot of the request, so each stage's span of it is its child."""
+
+    __slots__ = ("span", "phase", "phase_name", "traceparent", "trace_id", "outcome")
+
+    def __init__(self, req: Request, parent: str, label: str) -> None:
+        attributes = {"tether.request_id": req.id, "tether.tenant": req.tenant, "tether.priority": req.priority,
+                      "gen_ai.request.max_tokens": req.seq.sampling.max_tokens,
+                      "gen_ai.request.temperature": req.seq.sampling.temperature,
+                      "gen_ai.usage.input_tokens": len(req.seq.all_ids)}
+        if label:
+            attributes["tether.label"] = label
+        self.span = tracing.start("coordinator request", tracing.parent(parent), tracing.SpanKind.SERVER, attributes)
+        recording = self.span.is_recording()
+        self.traceparent = tracing.traceparent(self.span) if recording else ""   # "" : the stages do nothing
+        self.trace_id = tracing.trace_id(self.span) if recording else None
+        self.phase_name = "queue"
+        self.phase = tracing.start("coordinator queue", tracing.child_of(self.span))
+        self.outcome: str | None = None   # the finish reason, once the last token is appended
+
+    def next_phase(self, name: str, attributes: dict | None = None) -> None:
+        self.phase.end()
+        self.phase_name = name
+        self.phase = tracing.start(f"coordinator {name}", tracing.child_of(self.span), attributes=attributes)
+
+    def sent(self, req: Request, stamp: stage_pb2.Stamp) -> None:
+        """A frame of the request is about to be sent (not for decode steps: those are per token)."""
+        if self.phase_name == "queue":
+            self.next_phase("prefill")
+        if self.phase_name == "prefill":
+            self.phase.add_event("prefill chunk", {"tether.position": stamp.position,
+                                                   "tether.tokens": len(stamp.token_ids),
+                                                   "tether.cached_prefix": req.cached, "tether.epoch": req.epoch})
+
+    def event(self, name: str, reason: str, detail: str, req: Request) -> None:
+        self.span.add_event(name, {"tether.reason": reason, "tether.detail": detail, "tether.epoch": req.epoch,
+                                   "tether.recoveries": req.recoveries})
+
+    def end(self, req: Request, failure: "Failure | None") -> None:
+        self.phase.end()
+        self.span.set_attributes({"gen_ai.usage.output_tokens": len(req.seq.output_ids),
+                                  "tether.rebuilds": req.retries, "tether.resumes": req.resumes})
+        if self.outcome is not None:
+            self.span.set_attribute("gen_ai.response.finish_reasons", [self.outcome])
+        elif failure is not None:
+            tracing.fail(self.span, failure.code.name, failure.message)
+        else:
+            self.span.set_attribute("tether.cancelled", True)
+        self.span.end()
+
+
+class Driver:
+    def __init__(self, pipeline: Pipeline, max_slots: int = settings.MAX_BATCH_SLOTS,
+                 max_tokens: int = settings.MAX_BATCH_TOKENS, frame_timeout_s: float = settings.FRAME_TIMEOUT_S,
+                 recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS,
+                 stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None,
+                 stream_idle_s: float = settings.STREAM_IDLE_S, prefix_cache: bool = True):
+        self.pipeline = pipeline
+        self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
+        self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
+        self.frame_timeout_s = frame_timeout_s
+        self.recovery_window_s = recovery_window_s
+        self.max_rebuilds = max_rebuilds
+        self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
+        self.prefix_cache = prefix_cache     # send cached prefixes the stages hold (False: --no-prefix-cache)
+        self.step_seconds = 0.0              # recent mean time from a frame's send to its reply
+        self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
+        self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
+        self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
+        self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
+        self.to_release: list[str] = []
+        self.release_attempts: dict[str, int] = {}   # request id -> failed Release attempts so far
+        self.wake = asyncio.Event()
+        self.serving = False
+        self.status = "connecting"
+        self.down_since: float | None = None          # set while recovering in-flight requests
+        self.counters = Counters()
+        self._background: set[asyncio.Task] = set()
+        self.on_batch: Callable[[list[Request]], None] = lambda batch: None   # telemetry hook: a frame's requests
+        # Traced requests only (tracing on and sampled): empty otherwise, and every tracing path of the loop
+        # starts with `if self.traces:`, so with tracing off nothing else runs.
+        self.traces: dict[str, RequestSpans] = {}
+
+    # --- requests ---------------------------------------------------------------------------------------
+    def submit(self, req: Request, traceparent: str = "", label: str = "") -> asyncio.Queue:
+        """Start a request; `traceparent` (admission's span of it) parents its spans when tracing is on."""
+        if not self.serving:
+            raise PipelineDown(f"pipeline not serving: {self.status}")
+        if req.id in self.sinks or req.id in self.sched.running:
+            raise DuplicateRequest(f"request id {req.id} is already in flight")
+        q: asyncio.Queue = asyncio.Queue()
+        self.sinks[req.id] = q
+        if tracing.TRACER is not None:
+            spans = RequestSpans(req, traceparent, label)
+            if spans.traceparent:
+                self.traces[req.id] = spans
+            else:            # not sampled: close the non-recording spans now, nothing else follows them
+                spans.end(req, None)
+        self.sched.add(req)
+        self.wake.set()
+        return q
+
+    def cancel(self, request_id: str, only: Request | None = None) -> bool:
+        """Stop a request (client gone or Cancel); its state is released once no frame of it is in flight.
+        With `only`, stop it only if the active request of that id is that very object."""
+        req = self.sched.running.get(request_id) or next((r for r in self.sched.waiting if r.id == request_id), None)
+        if req is None or (only is not None and req is not only):
+            return False
+        sink = self.sinks.get(request_id)
+        self._finish(req, None)
+        if sink is not None:   # a Submit still streaming (a Cancel RPC, not its own client leaving) ends now
+            sink.put_nowait(Failure(grpc.StatusCode.CANCELLED, f"request {request_id} was cancelled"))
+        return True
+
+    def active(self) -> list[Request]:
+        return [*self.sched.running.values(), *self.sched.waiting]
+
+    def _finish(self, req: Request, failure: Failure | None) -> None:
+        started = req.id in self.sched.running
+        self.sched.remove(req)
+        if self.traces:
+            spans = self.traces.pop(req.id, None)
+            if spans is not None:
+                spans.end(req, failure)
+        q = self.sinks.pop(req.id, None)
+        if failure is not None:
+            self.counters.failed += 1
+            if q is not None:
+                q.put_nowait(failure)
+        if started and not req.in_flight:
+            self._queue_release(req.id)
+        self.wake.set()
+
+    def _queue_release(self, request_id: str) -> None:
+        """Free a request's state on every stage (soon, from the feed loop); the ledger counts its blocks held
+        until every stage has answered."""
+        self.sched.ledger.release_begin(request_id)
+        self.to_release.append(request_id)
+
+    # --- the loop ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.pipeline.connect()
+            except PipelineDown as e:
+                self._unavailable(str(e))
+                await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
+                continue
+            self._apply_stage_limits()
+            if self.on_serving is not None:
+                await self.on_serving(True)   # health first: whoever sees `serving` finds health agreeing
+            self.serving, self.status = True, "serving"
+            log.info("pipeline serving: %s", ", ".join(
+                f"{s.address}[{s.layer_start},{s.layer_end})" for s in self.pipeline.stages))
+            try:
+                if self.down_since is not None:
+                    self.down_since = None
+                    self.counters.reconnects += 1
+                    await self._resync([r for r in self.sched.running.values() if not r.done])
+                async with asyncio.TaskGroup() as tg:   # one failing task cancels the others
+                    tg.create_task(self._feed())
+                    tg.create_task(self._receive())
+                    tg.create_task(self._watchdog())
+            except* PipelineDown as eg:
+                self._broken(str(eg.exceptions[0]))
+            finally:
+                self.pipeline.close_stream()
+            await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
+
+    def _apply_stage_limits(self) -> None:
+        """Never send a frame a stage said (at handshake) it would refuse, nor a block it cannot hold."""
+        slots, rows = self.pipeline.frame_limits()
+        self.sched.max_slots = min(self.max_slots, slots) if slots else self.max_slots
+        self.sched.max_tokens = min(self.max_tokens, rows) if rows else self.max_tokens
+        blocks = [(s.kv_capacity_tokens, s.kv_block_tokens) for s in self.pipeline.stages]
+        if blocks and all(b for _, b in blocks) and len({b for _, b in blocks}) == 1:
+            block = blocks[0][1]
+            self.sched.ledger.configure(min(c // block for c, _ in blocks), block, self.prefix_cache)
+        else:   # plain kernels (an experiment): no paged blocks to mirror, no prefix cache
+            self.sched.ledger.configure(UNBOUNDED, self.sched.ledger.block, False)
+
+    async def crashed(self, error: BaseException) -> None:
+        """The loop died of an unexpected error (a bug, a peer answering outside the contract): fail every
+        active request explicitly, free their state, and report NOT_SERVING until the restarted loop has
+        handshaken again. Nothing waits on a loop that is gone."""
+        if isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        why = f"coordinator driver failed: {type(error).__name__}: {error}"
+        self._not_serving()
+        self.status = f"restarting: {why}"
+        self.pipeline.close_stream()
+        for req in self.active():
+            req.in_flight = False
+            self._finish(req, Failure(grpc.StatusCode.INTERNAL, f"{why}; the request was stopped"))
+        for _, batch in self.frames.values():
+            for req in batch:
+                if req.in_flight and req.done:   # cancelled while its frame was in flight: release it too
+                    req.in_flight = False
+                    self._queue_release(req.id)
+        self.frames.clear()
+        self.sched.frames_in_flight = 0
+        self.down_since = None
+        ids, self.to_release = self.to_release, []
+        if ids:
+            try:
+                await self.pipeline.release(ids)
+            except Exception:   # noqa: BLE001 - best effort; the stages' leases are the backstop
+                log.warning("release of %d request(s) after the crash failed", len(ids))
+            for rid in ids:
+                self.sched.released(rid)
+
+    def _not_serving(self) -> None:
+        if self.serving and self.on_serving is not None:
+            self._spawn(self.on_serving(False))
+        self.serving = False
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)            # held so it is not collected mid-flight
+        task.add_done_callback(self._background.discard)
+
+    def _broken(self, why: str) -> None:
+        """The stream broke: keep requests, forget frames in flight (their outcome is unknown until a sync)."""
+        log.warning("pipeline broken, recovering: %s", why)
+        self._not_serving()
+        self.status = f"recovering: {why}"
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+        for _, batch in self.frames.values():
+            for req in batch:
+                req.in_flight = False
+                if req.done:   # cancelled while its frame was in flight: nothing else will release it
+                    self._queue_release(req.id)
+        self.frames.clear()
+        self.sched.frames_in_flight = 0
+
+    def _unavailable(self, why: str) -> None:
+        """No pipeline: fail queued work at once, in-flight work once the recovery window has passed."""
+        if self.serving or self.status != why:
+            log.warning("pipeline down: %s", why)
+        self._not_serving()
+        self.status = why if self.down_since is None else f"recovering: {why}"
+        expired = self.down_since is None or time.monotonic() - self.down_since > self.recovery_window_s
+        for req in list(self.sched.waiting) + (list(self.sched.running.values()) if expired else []):
+            req.in_flight = False
+            self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"pipeline failed during generation: {why}"))
+        if expired:
+            self.down_since = None
+
+    async def _feed(self) -> None:
+        while True:
+            try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives as
+                # the event is set, and a feed loop that outlives its cancellation hangs the shutdown
+                async with asyncio.timeout(self.keepalive_s):
+                    await self.wake.wait()
+            except TimeoutError:
+                if not self.frames:   # idle: an empty frame keeps the stages from closing the stream
+                    self.frames[self.pipeline.seq + 1] = (time.monotonic(), [])
+                    await self.pipeline.send([])
+                continue
+            self.wake.clear()
+            if self.to_release:
+                ids, self.to_release = self.to_release, []
+                self._spawn(self._release(ids))
+            while batch := self.sched.next_batch():
+                self._after_schedule()
+                slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
+                                        hash_seed=r.seq.hash_seed, cached_prefix=r.cached) for r in batch]
+                if self.traces:
+                    self._trace_frame(batch, slots)
+                self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
+                self.on_batch(batch)
+                await self.pipeline.send(slots)
+            self._after_schedule()
+            if self.to_release:
+                ids, self.to_release = self.to_release, []
+                self._spawn(self._release(ids))
+
+    def _trace_frame(self, batch: list[Request], slots: list[stage_pb2.Slot]) -> None:
+        """Tracing on: each traced request's slot carries its span's traceparent (for the stages) and its
+        prefill chunks are events; decode frames add nothing here."""
+        for req, slot in zip(batch, slots):
+            spans = self.traces.get(req.id)
+            if spans is not None:
+                slot.traceparent = spans.traceparent
+                if spans.phase_name != "decode":
+                    spans.sent(req, slot.stamp)
+
+    def _trace_event(self, req: Request, name: str, reason: str, detail: str) -> None:
+        spans = self.traces.get(req.id)
+        if spans is not None:
+            spans.event(name, reason, detail, req)
+
+    def _log_extra(self, req: Request) -> dict | None:
+        """The JSON logs' trace_id of a line about a traced request (driver lines are logged outside its task)."""
+        spans = self.traces.get(req.id) if self.traces else None
+        return {"trace_id": spans.trace_id} if spans is not None else None
+
+    def _after_schedule(self) -> None:
+        """What scheduling decided besides the batch: Releases for the preempted, failures for the requests
+        no stage could ever hold."""
+        s = self.sched
+        for req in s.preempted:
+            log.info("request %s preempted: KV blocks are needed by an older or higher-priority request", req.id,
+                     extra=self._log_extra(req))
+            if self.traces:
+                self._trace_event(req, "preempted", "KV_BLOCKS", "KV blocks are needed by an older or "
+                                                                 "higher-priority request; recomputed later")
+            self.to_release.append(req.id)     # its blocks are already `releasing` in the ledger
+        s.preempted.clear()
+        for req in s.impossible:
+            self._finish(req, Failure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"request needs {req.final_positions} context positions of KV; this "
+                                      f"pipeline's stages hold at most {s.ledger.capacity * s.ledger.block}"))
+        s.impossible.clear()
+
+    async def _release(self, ids: list[str]) -> None:
+        """Release on every stage; ids a stage failed to release are queued again, a few times at most."""
+        failed = await self.pipeline.release(ids)
+        for rid in ids:
+            if rid not in failed:
+                self.release_attempts.pop(rid, None)
+                self.sched.released(rid)
+                continue
+            attempts = self.release_attempts.get(rid, 0) + 1
+            if attempts < RELEASE_ATTEMPTS:
+                self.release_attempts[rid] = attempts
+                self.to_release.append(rid)
+            else:
+                self.release_attempts.pop(rid, None)
+                self.sched.released(rid)   # the stages' leases free it; the ledger cannot wait that long
+                log.warning("release of %s failed %d times; the stages' lease will free it", rid, attempts)
+        self.wake.set()                    # freed blocks may let waiting requests start
+
+    async def _receive(self) -> None:
+        async for reply in self.pipeline.replies():
+            entry = self.frames.pop(reply.stream_seq, None)
+            if entry is None:
+                log.warning("reply to unknown or expired frame %d ignored", reply.stream_seq)
+                continue
+            sent_at, batch = entry
+            if batch:                  # an empty batch is a keep-alive, never counted as in flight
+                self.sched.frame_done()
+                self.step_seconds += 0.05 * (time.monotonic() - sent_at - self.step_seconds)
+            by_id: dict[str, stage_pb2.SlotResult] = {}
+            for res in reply.results:
+                by_id.setdefault(res.stamp.request_id, res)   # a duplicate result never overrides the first
+            for req in batch:
+                self._settle(req, by_id.get(req.id))
+            self.wake.set()
+
+    def _settle(self, req: Request, res: stage_pb2.SlotResult | None) -> None:
+        """Apply one slot's result: append the token only if the echo is exactly what was sent."""
+        if req.done:   # cancelled while in flight
+            req.in_flight = False
+            self._queue_release(req.id)
+            return
+        if res is None:
+            self._rebuild(req, "FRAME_LOST", "no result for the slot")
+        elif self.stamp_checks and not req.echo_matches(res.stamp):
+            self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
+        elif not res.ok and res.reason == RejectReason.PREFIX_MISS and req.cached:
+            self._prefix_miss(req, f"stage {res.stage_index}: {res.detail}")
+        elif not res.ok:
+            self._rebuild(req, reason_name(res.reason), f"stage {res.stage_index}: {res.detail}")
+        elif not req.samples:
+            if res.has_token:
+                self._rebuild(req, "ECHO_MISMATCH", "a token came back for a prefill chunk")
+            else:
+                self.sched.confirmed(req)   # a prefill chunk landed on every stage; the next chunk follows
+        elif not res.has_token:
+            self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
+        elif self.stamp_checks and res.token_hash != self._token_mac(req, res.token_id):
+            self._rebuild(req, "TOKEN_HASH_MISMATCH", "the token does not extend the chain it was sampled from")
+        else:
+            self.sched.confirmed(req)
+            out: TokenOut = req.seq.append(res.token_id)
+            self.counters.tokens += 1
+            q = self.sinks.get(req.id)
+            if q is not None:
+                q.put_nowait(out)
+            if self.traces:
+                spans = self.traces.get(req.id)
+                if spans is not None:
+                    if spans.phase_name != "decode":   # the first token (or the first after a rebuild)
+                        spans.next_phase("decode")
+                    if out.finish_reason:
+                        spans.outcome = finish_reason_name(out.finish_reason)
+            if out.finish_reason:
+                self.counters.finished += 1
+                if req.recoveries:
+                    self.counters.recovered += 1
+                self._finish(req, None)
+
+    def _token_mac(self, req: Request, token_id: int) -> int:
+        """The keyed token hash a last stage holding this epoch's stamp key returns for `token_id`."""
+        sent = req.sent
+        return self.pipeline.stamp_key.token_mac(req.seq.hasher.peek([token_id]), req.id, sent.epoch,
+                                                 sent.position + len(sent.token_ids), req.sampling_digest, token_id)
+
+    def _prefix_miss(self, req: Request, detail: str) -> None:
+        """A stage could not confirm the cached prefix the ledger predicted: replay the request cold (not
+        charged to its budget: a cold replay cannot miss again), and forget the mirrored cache, which is
+        evidently out of step with the stages'."""
+        self.counters.rejections["PREFIX_MISS"] += 1
+        self.counters.prefix_misses += 1
+        log.info("request %s: PREFIX_MISS (%s); replaying it cold", req.id, detail, extra=self._log_extra(req))
+        if self.traces:
+            self._trace_event(req, "prefix miss", "PREFIX_MISS", detail)
+        self.sched.ledger.rebuild(req.id)
+        self.sched.ledger.forget_cache()
+        req.rebuild(charge=False)
+
+    def _rebuild(self, req: Request, reason: str, detail: str) -> None:
+        """Replay the request's whole context under a new epoch, within its budget; else fail it explicitly."""
+        self.counters.rejections[reason] += 1
+        log.info("request %s: %s (%s)", req.id, reason, detail, extra=self._log_extra(req))
+        if self.traces:
+            self._trace_event(req, "rejection", reason, detail)
+        req.in_flight = False
+        if req.recoveries >= self.max_rebuilds:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "NO_CAPACITY" else grpc.StatusCode.ABORTED
+            self._finish(req, Failure(code, f"request state could not be verified after {req.retries} "
+                                            f"rebuilds and {req.resumes} resumes; last: {reason}: {detail}"))
+            return
+        self.counters.rebuilds += 1
+        self.sched.ledger.rebuild(req.id)
+        req.rebuild()   # tokens already sent stay as they are: they are replayed as context
+        if self.traces:
+            self._trace_event(req, "rebuild", reason, detail)   # after req.rebuild(): the new epoch
+
+    async def _resync(self, reqs: list[Request]) -> None:
+        """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
+        for r in reqs:
+            if r.fed == 0 and not r.done:   # nothing confirmed yet: send it again; stamps catch any leftovers
+                r.in_flight, r.sent, r.cached = False, None, 0
+        reqs = [r for r in reqs if r.fed > 0 and not r.done]
+        if not reqs:
+            self.wake.set()
+            return
+        if self.traces:
+            for r in reqs:
+                self._trace_event(r, "resync", "FRAME_LOST" if self.down_since is None else "PIPELINE_BROKEN",
+                                  "asking every stage what it holds")
+        held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
+        for req in reqs:
+            states = [h.get(req.id) for h in held]
+            if all(s is not None and s.held and s.epoch == req.epoch and s.length == req.fed
+                   and s.context_hash == req.fed_hash.value for s in states):
+                req.in_flight = False
+                req.sent = None
+                if req.recoveries >= self.max_rebuilds:
+                    self._finish(req, Failure(grpc.StatusCode.ABORTED, f"request lost frames {req.recoveries + 1} "
+                                              f"times (budget {self.max_rebuilds}); last resume after a sync"))
+                    continue
+                req.resumes += 1
+                self.counters.resumes += 1
+                if self.traces:
+                    self._trace_event(req, "resume", "STATE_HELD", f"every stage holds {req.fed} tokens at "
+                                                                   f"epoch {req.epoch}: continuing from there")
+            else:
+                why = ", ".join(f"stage {i}: " + ("nothing" if s is None or not s.held else
+                                                  f"epoch {s.epoch} length {s.length}")
+                                for i, s in enumerate(states))
+                self._rebuild(req, "STATE_LOST", f"stages hold {why}; coordinator has {req.fed} tokens")
+        self.wake.set()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.frame_timeout_s / 4))
+            now = time.monotonic()
+            late = [seq for seq, (t, _) in self.frames.items() if now - t > self.frame_timeout_s]
+            lost: list[Request] = []
+            for seq in late:
+                _, batch = self.frames.pop(seq)
+                if batch:
+                    self.sched.frame_done()
+                self.counters.rejections["FRAME_LOST"] += 1
+                lost.extend(r for r in batch if not r.done)
+                for r in batch:
+                    if r.done:
+                        r.in_flight = False
+                        self._queue_release(r.id)
+            if lost:
+                log.warning("%d frame(s) unanswered for %.1fs: syncing %d request(s)", len(late),
+                            self.frame_timeout_s, len(lost))
+                await self._resync(lost)

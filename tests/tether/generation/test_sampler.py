@@ -1,0 +1,154 @@
+"""Per-request sampling: greedy, seeded draws keyed by (seed, position), top-k / top-p, draw distance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tether.generation import sampler
+from tether.reference import sampling_params
+
+FAST = settings(max_examples=150, deadline=None, database=None)
+V = 64
+
+
+def logits_row(seed: int, scale: float = 3.0, n: int = V) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_is_argmax(seed):
+    row = logits_row(seed)
+    for temperature in (0.0, -1.0):
+        p = sampling_params(temperature=temperature, seed=seed, top_k=5, top_p=0.5)
+        assert sampler.sample(row, p, position=seed) == int(row.argmax())
+
+
+def test_greedy_ties_take_the_first_maximum():
+    row = torch.tensor([0.0, 2.0, 1.0, 2.0, 2.0])
+    assert sampler.sample(row, sampling_params(), 0) == 1
+    assert sampler.sample(torch.zeros(10), sampling_params(), 3) == 0
+
+
+def test_greedy_ignores_seed_and_position():
+    row = logits_row(3)
+    picks = {sampler.sample(row, sampling_params(seed=s), pos) for s in range(5) for pos in range(20)}
+    assert picks == {int(row.argmax())}
+
+
+def test_uniform_is_keyed_by_seed_and_position():
+    u = sampler.uniform(7, 11)
+    assert u == sampler.uniform(7, 11)
+    assert 0.0 <= u < 1.0
+    values = {sampler.uniform(s, p) for s in range(10) for p in range(10)}
+    assert len(values) == 100
+    assert sampler.uniform(1, 23) != sampler.uniform(12, 3)   # "1:23" vs "12:3" kept apart
+
+
+def test_seeded_sampling_is_deterministic_per_seed_and_position():
+    row = logits_row(1, scale=1.0)
+    p = sampling_params(temperature=1.0, seed=42)
+    first = [sampler.sample(row, p, pos) for pos in range(200)]
+    assert first == [sampler.sample(row.clone(), p, pos) for pos in range(200)]
+    assert len(set(first)) > 10                               # positions draw differently
+    other_seed = [sampler.sample(row, sampling_params(temperature=1.0, seed=43), pos) for pos in range(200)]
+    assert other_seed != first
+
+
+def test_sampling_a_row_is_independent_of_other_rows():
+    batch = torch.stack([logits_row(i, scale=1.0) for i in range(6)])
+    params = [sampling_params(temperature=0.8 + 0.1 * i, seed=100 + i, top_k=i * 5, top_p=0.9) for i in range(6)]
+    alone = [sampler.sample(batch[i].clone(), params[i], 50 + i) for i in range(6)]
+    for trial in range(5):
+        other = batch.clone()
+        other[torch.arange(6) != 2] = torch.randn(5, V, generator=torch.Generator().manual_seed(trial)) * 5
+        # row 2 sampled out of a different batch, and with its neighbours sampled first or not at all
+        assert sampler.sample(other[2], params[2], 52) == alone[2]
+    got = [sampler.sample(batch[i], params[i], 50 + i) for i in reversed(range(6))]
+    assert got[::-1] == alone
+
+
+def test_sampling_follows_the_distribution():
+    """Inverse-CDF draws over many positions reproduce softmax(logits / T)."""
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 1.5])
+    for temperature in (1.0, 0.5):
+        p = sampling_params(temperature=temperature, seed=9)
+        n = 4000
+        counts = torch.bincount(torch.tensor([sampler.sample(row, p, pos) for pos in range(n)]), minlength=5)
+        want = torch.softmax(row.double() / temperature, -1)
+        for k in range(5):
+            sd = math.sqrt(want[k] * (1 - want[k]) / n)
+            assert abs(counts[k] / n - want[k]) < 5 * sd + 1e-3, (temperature, k, counts.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_top_k_1_equals_greedy(seed):
+    row = logits_row(seed)
+    p = sampling_params(temperature=1.5, seed=seed, top_k=1)
+    assert {sampler.sample(row, p, pos) for pos in range(50)} == {int(row.argmax())}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tiny_top_p_equals_greedy(seed):
+    row = logits_row(seed, scale=0.5)           # flat distribution: the top token has low mass
+    p = sampling_params(temperature=2.0, seed=seed, top_p=1e-6)
+    assert {sampler.sample(row, p, pos) for pos in range(50)} == {int(row.argmax())}
+
+
+def test_top_k_restricts_to_the_k_largest():
+    row = logits_row(5, scale=0.3)
+    p = sampling_params(temperature=1.0, seed=1, top_k=4)
+    allowed = set(torch.topk(row, 4).indices.tolist())
+    picks = {sampler.sample(row, p, pos) for pos in range(400)}
+    assert picks == allowed
+    probs = sampler.filtered_probs(row, p)
+    assert set(probs.nonzero().flatten().tolist()) == allowed
+    assert abs(float(probs.sum()) - 1) < 1e-12
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    row = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15], dtype=torch.float64))
+    probs = sampler.filtered_probs(row, sampling_params(temperature=1.0, top_p=0.7))
+    # sorted: 0.5, 0.3 (cum 0.8 >= 0.7) -> keep tokens 0 and 2
+    assert probs.nonzero().flatten().tolist() == [0, 2]
+    torch.testing.assert_close(probs[[0, 2]], torch.tensor([0.5, 0.3], dtype=torch.float64) / 0.8)
+    off = sampler.filtered_probs(row, sampling_params(temperature=1.0, top_p=1.0))
+    assert (off > 0).all()
+
+
+def test_sampled_token_is_always_in_range():
+    row = torch.full((V,), -1e4)
+    row[-1] = 0.0
+    p = sampling_params(temperature=1.0, seed=0)
+    assert {sampler.sample(row, p, pos) for pos in range(50)} == {V - 1}
+
+
+@given(seed=st.integers(0, 2**63), position=st.integers(0, 10_000), logit_seed=st.integers(0, 10_000),
+       temperature=st.floats(0.1, 2.0), top_k=st.integers(0, 70), top_p=st.floats(0.0, 1.0))
+@FAST
+def test_draw_distance_is_zero_for_the_sampled_token(seed, position, logit_seed, temperature, top_k, top_p):
+    row = logits_row(logit_seed)
+    p = sampling_params(temperature=temperature, seed=seed, top_k=top_k, top_p=top_p)
+    tok = sampler.sample(row, p, position)
+    assert 0 <= tok < V
+    assert sampler.draw_distance(row, p, tok, position) == 0.0
+    assert float(sampler.filtered_probs(row, p)[tok]) > 0      # never a filtered-out token
+
+
+def test_draw_distance_is_positive_for_other_tokens():
+    row = logits_row(11, scale=1.0)
+    p = sampling_params(temperature=1.0, seed=5, top_k=10)
+    tok = sampler.sample(row, p, 17)
+    probs = sampler.filtered_probs(row, p)
+    for other in range(V):
+        d = sampler.draw_distance(row, p, other, 17)
+        if other == tok:
+            assert d == 0.0
+        elif probs[other] == 0:
+            assert d == float("inf")                          # filtered out entirely
+        else:
+            assert d > 0.0
