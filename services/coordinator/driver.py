@@ -28,11 +28,12 @@ import grpc
 
 from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
+from services.coordinator.request_spans import RequestSpans
 from services.coordinator.scheduler import Request, Scheduler
 from tether import settings
 from tether.generation.sequence import TokenOut
 from tether.telemetry import tracing
-from tether.v1 import common_pb2, stage_pb2
+from tether.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 RejectReason = stage_pb2.RejectReason
@@ -68,70 +69,6 @@ class Counters:
     reconnects: int = 0
     prefix_misses: int = 0
     rejections: Counter = field(default_factory=Counter)   # reason name -> slots
-
-
-def finish_reason_name(reason: int) -> str:
-    """FINISH_REASON_STOP -> "stop" (gen_ai.response.finish_reasons, as admission's metrics name them)."""
-    try:
-        return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-    except ValueError:
-        return f"unknown_{reason}"
-
-
-class RequestSpans:
-    """The coordinator's spans of one traced request (only while tracing is on): `coordinator request`, child
-    of admission's span, and under it one phase span at a time, `coordinator queue` (submitted until its first
-    frame), `coordinator prefill` (first frame until its first token; an event per prefill chunk) and
-    `coordinator decode` (first token to the end). Rebuilds, resumes, resyncs, prefix misses and preemptions
-    are events of the request span with their reason; per-token work adds nothing. Its traceparent travels in
-    every slot of the request, so each stage's span of it is its child."""
-
-    __slots__ = ("span", "phase", "phase_name", "traceparent", "trace_id", "outcome")
-
-    def __init__(self, req: Request, parent: str, label: str) -> None:
-        attributes = {"tether.request_id": req.id, "tether.tenant": req.tenant, "tether.priority": req.priority,
-                      "gen_ai.request.max_tokens": req.seq.sampling.max_tokens,
-                      "gen_ai.request.temperature": req.seq.sampling.temperature,
-                      "gen_ai.usage.input_tokens": len(req.seq.all_ids)}
-        if label:
-            attributes["tether.label"] = label
-        self.span = tracing.start("coordinator request", tracing.parent(parent), tracing.SpanKind.SERVER, attributes)
-        recording = self.span.is_recording()
-        self.traceparent = tracing.traceparent(self.span) if recording else ""   # "" : the stages do nothing
-        self.trace_id = tracing.trace_id(self.span) if recording else None
-        self.phase_name = "queue"
-        self.phase = tracing.start("coordinator queue", tracing.child_of(self.span))
-        self.outcome: str | None = None   # the finish reason, once the last token is appended
-
-    def next_phase(self, name: str, attributes: dict | None = None) -> None:
-        self.phase.end()
-        self.phase_name = name
-        self.phase = tracing.start(f"coordinator {name}", tracing.child_of(self.span), attributes=attributes)
-
-    def sent(self, req: Request, stamp: stage_pb2.Stamp) -> None:
-        """A frame of the request is about to be sent (not for decode steps: those are per token)."""
-        if self.phase_name == "queue":
-            self.next_phase("prefill")
-        if self.phase_name == "prefill":
-            self.phase.add_event("prefill chunk", {"tether.position": stamp.position,
-                                                   "tether.tokens": len(stamp.token_ids),
-                                                   "tether.cached_prefix": req.cached, "tether.epoch": req.epoch})
-
-    def event(self, name: str, reason: str, detail: str, req: Request) -> None:
-        self.span.add_event(name, {"tether.reason": reason, "tether.detail": detail, "tether.epoch": req.epoch,
-                                   "tether.recoveries": req.recoveries})
-
-    def end(self, req: Request, failure: "Failure | None") -> None:
-        self.phase.end()
-        self.span.set_attributes({"gen_ai.usage.output_tokens": len(req.seq.output_ids),
-                                  "tether.rebuilds": req.retries, "tether.resumes": req.resumes})
-        if self.outcome is not None:
-            self.span.set_attribute("gen_ai.response.finish_reasons", [self.outcome])
-        elif failure is not None:
-            tracing.fail(self.span, failure.code.name, failure.message)
-        else:
-            self.span.set_attribute("tether.cancelled", True)
-        self.span.end()
 
 
 class Driver:
@@ -471,7 +408,7 @@ class Driver:
                     if spans.phase_name != "decode":   # the first token (or the first after a rebuild)
                         spans.next_phase("decode")
                     if out.finish_reason:
-                        spans.outcome = finish_reason_name(out.finish_reason)
+                        spans.finished(out.finish_reason)
             if out.finish_reason:
                 self.counters.finished += 1
                 if req.recoveries:

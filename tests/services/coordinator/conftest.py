@@ -81,7 +81,7 @@ async def _until(cond, timeout: float = 10.0) -> None:
 
 
 async def _run_one(pipe: FakePipeline, req: Request, **driver_args) -> tuple[list, object]:
-    """Run an Driver over `pipe` until `req` ends (a Failure or its last token): its events and the counters."""
+    """Run a Driver over `pipe` until `req` ends (a Failure or its last token): its events and the counters."""
     from services.coordinator.driver import Driver, Failure
     from tether import supervise
     driver = Driver(pipe, **driver_args)
