@@ -239,7 +239,3 @@ class LocalCluster:
 
 def _repo_root() -> str:
     return str(Path(__file__).resolve().parents[2])
-
-
-def temp_log_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="tether-logs-"))
