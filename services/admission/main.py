@@ -16,6 +16,7 @@ from services.admission.routing import POLICIES
 from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
 from services.admission.validate import ModelLimits
 from tether import settings, supervise, telemetry
+from tether.argtypes import positive_int
 from tether.procutil import follow_parent
 from tether.grpcutil import Server
 from tether.security import tls
@@ -25,13 +26,6 @@ from tether.v1 import admission_pb2, admission_pb2_grpc
 
 log = logging.getLogger("admission")
 SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
-    return value
 
 
 def _coordinators(text: str) -> list[tuple[str, frozenset[str]]]:
@@ -67,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
                    help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or Hugging Face folder; must be the coordinator's model, "
                         "since admission tokenizes (default: %(default)s)")
-    p.add_argument("--max-concurrent", type=_positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
+    p.add_argument("--max-concurrent", type=positive_int, default=settings.MAX_CONCURRENT_REQUESTS,
                    help="requests in flight beyond which admission answers RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--tag-workers", type=int, default=settings.TAG_WORKERS,
                    help="worker processes that tokenize and tag large requests (0: all inline on the event "

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tether import reference, settings
+from tether.argtypes import positive_int as _positive_int
 from tether.loadtest import capacity, chaos, cluster_stats, report, stats
 from tether.loadtest.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, levels_of, stage_threads
 from tether.loadtest.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
@@ -40,13 +41,6 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive; got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {text}")
     return value
 
 
