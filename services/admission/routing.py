@@ -12,12 +12,12 @@ Round-robin and least-loaded stay selectable for comparison (`--route-policy`).
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tether import settings
+from tether.mathutil import ceil_div
 
 # A decode token costs about this many prefill tokens of work: one engine step per output token (what a
 # step costs is mostly its fixed part on these models), against prompt tokens computed hundreds per step.
@@ -103,7 +103,7 @@ def can_ever_fit(load: PipelineLoad, req: RouteRequest) -> bool:
     """Whether the pipeline could hold the request's whole context with nothing else running."""
     if load.max_context and req.positions > load.max_context:
         return False
-    if load.kv_blocks_total and math.ceil(req.positions / load.block_tokens) > load.kv_blocks_total:
+    if load.kv_blocks_total and ceil_div(req.positions, load.block_tokens) > load.kv_blocks_total:
         return False
     return True
 
@@ -129,7 +129,7 @@ def kv_score(c: Candidate, req: RouteRequest) -> float:
     total = c.load.kv_blocks_total
     if not total:
         return 0.5
-    need = math.ceil(req.positions / c.load.block_tokens)
+    need = ceil_div(req.positions, c.load.block_tokens)
     return max(0.0, c.load.kv_blocks_free - need) / total
 
 
@@ -258,7 +258,7 @@ def predicted_wait_s(load: PipelineLoad, in_flight: int, req: RouteRequest, slot
     if load.step_seconds <= 0:
         return 0.0
     ahead = max(load.waiting, in_flight - load.running)
-    steps = 1 + ahead // max(1, slots_per_step) + math.ceil(req.prompt_tokens / max(1, tokens_per_step))
+    steps = 1 + ahead // max(1, slots_per_step) + ceil_div(req.prompt_tokens, max(1, tokens_per_step))
     return load.step_seconds * steps
 
 

@@ -12,6 +12,7 @@ cannot confirm is refused (PREFIX_MISS) and replayed cold, never trusted.
 from __future__ import annotations
 
 from tether.kv.blocks import BlockPool, block_keys
+from tether.mathutil import ceil_div
 
 UNBOUNDED = 1 << 40
 
@@ -43,7 +44,7 @@ class BlockLedger:
         self.generation += 1
 
     def blocks(self, positions: int) -> int:
-        return -(-positions // self.block)
+        return ceil_div(positions, self.block)
 
     @property
     def capacity(self) -> int:

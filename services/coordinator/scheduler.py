@@ -11,7 +11,6 @@ later, exactly, by batch invariance) instead of a stage refusing it.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from services.coordinator.ledger import BlockLedger
 from tether.kv.blocks import extend_by_blocks
 from tether.generation.sequence import Sequence
 from tether import settings
+from tether.mathutil import ceil_div
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
 
@@ -220,7 +220,7 @@ class Scheduler:
         if not self.has_room():
             return []
         active = len(self.running) + len(self.waiting)
-        share = min(self.max_slots, max(1, math.ceil(active / self.num_stages)))
+        share = min(self.max_slots, max(1, ceil_div(active, self.num_stages)))
         batch: list[Request] = []
         tokens = 0
         # Running requests first, in order (none of them can starve). While requests wait, running prefill
