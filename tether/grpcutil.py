@@ -1,5 +1,7 @@
-"""gRPC plumbing every service shares: server setup with health and reflection, channels, shutdown, and
-transport security (tether/security/: TLS credentials, the authorization interceptor).
+"""gRPC plumbing every service shares: `Server` (health, reflection, TLS or a loud plaintext warning,
+interceptors, shutdown on SIGINT/SIGTERM), `channel`, keepalive and message-size options, log format.
+
+Transport security itself lives in tether/security/ (TLS credentials, the authorization interceptor).
 
 Each service sizes its own messages (settings: stages carry activation frames, the coordinator token ids,
 admission one prompt), so a peer cannot make a small-message service buffer 64 MiB.

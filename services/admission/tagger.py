@@ -1,7 +1,12 @@
 """Rule-based intent tagger for the admission service.
 
-The admission service has to decide, before a request touches a GPU, how big
-the answer will be, which prefix cache it can share, and how important it is.
+The admission service has to decide, before a request reaches a pipeline, how big
+the answer will be, how important it is, and which earlier requests share its
+prefix: the tagger hashes the system prompt into ``prefix_key``, which admission
+salts with the tenant and routes by (the ``prefix`` scorer of routing.py sends
+it where that prefix went before, so the stages' prefix cache there may hold
+its KV). The tagger keeps no cache itself.
+
 Calling a model for that would cost more than it saves, so this module uses
 lexicons (lexicons.py) and regular expressions only (Chinese and English), and
 is pure: no I/O, no global state beyond compiled patterns. Its accuracy per
@@ -718,7 +723,8 @@ def extract_system_prompt(prompt: str) -> str:
 
 
 def compute_prefix_key(system_text: str) -> int:
-    """64-bit key for the prefix cache: blake2b-64 of the system prompt, 0 when empty."""
+    """64-bit routing key of a shared prefix: blake2b-64 of the system prompt, 0 when empty (not a cache key:
+    the stages' prefix cache is keyed by the context hash chain, docs/PROTOCOL.md "Prefix cache")."""
     if not system_text:
         return 0
     # surrogatepass: a lone surrogate in a str must not make tagging raise.

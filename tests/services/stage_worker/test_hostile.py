@@ -1,4 +1,4 @@
-"""Hostile input on the stage protocol, against live stage processes (DESIGN.md / issue 4 part 7).
+"""Hostile input on the stage protocol, against live stage processes (docs/PROTOCOL.md "Hostile input").
 
 Malformed or truncated frames, wrong dtype or shape, NaN/Inf, frames over the size limit, unknown request
 ids, replayed old frames, clients that open streams and never send (or never read): each is refused with the
