@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 
 import grpc
 
 from tether import grpcutil, settings
-from tether.faults import FaultInjector, OutboundFaults
+from tether.faults import FaultInjector, OutboundFaults, crash
 from tether.security.tls import TlsConfig
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2, stage_pb2_grpc
@@ -85,8 +84,7 @@ class Pipeline:
             await self._write(frame)
             return self.seq
         if self.faults.crash():
-            log.critical("fault injection: crashing now (exit 137)")
-            os._exit(137)
+            crash(log)
         await self.outbound.send(frame)
         return self.seq
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from services.stage_worker.worker import StageTraces, StageWorker, StepOutcome
 from tether import grpcutil, settings
-from tether.faults import FaultInjector, OutboundFaults
+from tether.faults import FaultInjector, OutboundFaults, crash
 from tether.security import identity
 from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
@@ -269,7 +268,7 @@ def peer_host(peer: str) -> str:
 
 
 class _StageFaults:
-    """Where a stage applies its fault injector (tether/faults.py): on a frame's arrival (crash, forget_kv),
+    """Where a stage applies its fault injector (tether/faults/): on a frame's arrival (crash, forget_kv),
     on each frame it forwards (through the relay's OutboundFaults: delay, drop, duplicate, reorder, corrupt,
     swap_slots, cross_ids) and on each reply it answers itself rather than relays (cross_ids, corrupt: on the
     last stage, the sampled tokens)."""
@@ -279,10 +278,7 @@ class _StageFaults:
 
     def on_arrival(self) -> None:
         if self.injector.crash():
-            log.critical("fault injection: crashing now (exit 137)")
-            for h in logging.getLogger().handlers:
-                h.flush()
-            os._exit(137)
+            crash(log)
 
     def forget(self, frame: stage_pb2.Frame) -> str | None:
         rid = self.injector.forget(frame)
