@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.coordinator.inflight import FramesInFlight
 from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.request_spans import RequestSpans
@@ -85,11 +86,10 @@ class Driver:
         self.max_rebuilds = max_rebuilds
         self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
         self.prefix_cache = prefix_cache     # send cached prefixes the stages hold (False: --no-prefix-cache)
-        self.step_seconds = 0.0              # recent mean time from a frame's send to its reply
         self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
-        self.frames: dict[int, tuple[float, list[Request]]] = {}   # seq -> (sent at, requests)
+        self.frames = FramesInFlight()
         self.to_release: list[str] = []
         self.release_attempts: dict[str, int] = {}   # request id -> failed Release attempts so far
         self.wake = asyncio.Event()
@@ -102,6 +102,11 @@ class Driver:
         # Traced requests only (tracing on and sampled): empty otherwise, and every tracing path of the loop
         # starts with `if self.traces:`, so with tracing off nothing else runs.
         self.traces: dict[str, RequestSpans] = {}
+
+    @property
+    def step_seconds(self) -> float:
+        """Recent mean time from a frame's send to its reply."""
+        return self.frames.step_seconds
 
     # --- requests ---------------------------------------------------------------------------------------
     def submit(self, req: Request, traceparent: str = "", label: str = "") -> asyncio.Queue:
@@ -214,13 +219,12 @@ class Driver:
         for req in self.active():
             req.in_flight = False
             self._finish(req, Failure(grpc.StatusCode.INTERNAL, f"{why}; the request was stopped"))
-        for _, batch in self.frames.values():
+        for batch in self.frames.forget():
             for req in batch:
                 if req.in_flight and req.done:   # cancelled while its frame was in flight: release it too
                     req.in_flight = False
                     self._queue_release(req.id)
-        self.frames.clear()
-        self.sched.frames_in_flight = 0
+        self.sched.frames_lost()
         self.down_since = None
         ids, self.to_release = self.to_release, []
         if ids:
@@ -248,13 +252,12 @@ class Driver:
         self.status = f"recovering: {why}"
         if self.down_since is None:
             self.down_since = time.monotonic()
-        for _, batch in self.frames.values():
+        for batch in self.frames.forget():
             for req in batch:
                 req.in_flight = False
                 if req.done:   # cancelled while its frame was in flight: nothing else will release it
                     self._queue_release(req.id)
-        self.frames.clear()
-        self.sched.frames_in_flight = 0
+        self.sched.frames_lost()
 
     def _unavailable(self, why: str) -> None:
         """No pipeline: fail queued work at once, in-flight work once the recovery window has passed."""
@@ -278,8 +281,9 @@ class Driver:
                     await self.wake.wait()
             except TimeoutError:
                 if not self.frames:   # idle: an empty frame keeps the stages from closing the stream
-                    self.frames[self.pipeline.seq + 1] = (time.monotonic(), [])
-                    await self.pipeline.send([])
+                    frame = self.pipeline.frame([])
+                    self.frames.sent(frame.stream_seq, [])
+                    await self.pipeline.send(frame)
                 continue
             self.wake.clear()
             if self.to_release:
@@ -291,9 +295,10 @@ class Driver:
                                         hash_seed=r.seq.hash_seed, cached_prefix=r.cached) for r in batch]
                 if self.traces:
                     self._trace_frame(batch, slots)
-                self.frames[self.pipeline.seq + 1] = (time.monotonic(), batch)
+                frame = self.pipeline.frame(slots)
+                self.frames.sent(frame.stream_seq, batch)
                 self.on_batch(batch)
-                await self.pipeline.send(slots)
+                await self.pipeline.send(frame)
             self._after_schedule()
             if self.to_release:
                 ids, self.to_release = self.to_release, []
@@ -357,14 +362,12 @@ class Driver:
 
     async def _receive(self) -> None:
         async for reply in self.pipeline.replies():
-            entry = self.frames.pop(reply.stream_seq, None)
-            if entry is None:
+            batch = self.frames.answered(reply.stream_seq)
+            if batch is None:
                 log.warning("reply to unknown or expired frame %d ignored", reply.stream_seq)
                 continue
-            sent_at, batch = entry
             if batch:                  # an empty batch is a keep-alive, never counted as in flight
                 self.sched.frame_done()
-                self.step_seconds += 0.05 * (time.monotonic() - sent_at - self.step_seconds)
             by_id: dict[str, stage_pb2.SlotResult] = {}
             for res in reply.results:
                 by_id.setdefault(res.stamp.request_id, res)   # a duplicate result never overrides the first
@@ -491,11 +494,9 @@ class Driver:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.frame_timeout_s / 4))
-            now = time.monotonic()
-            late = [seq for seq, (t, _) in self.frames.items() if now - t > self.frame_timeout_s]
+            late = self.frames.expired(self.frame_timeout_s)
             lost: list[Request] = []
-            for seq in late:
-                _, batch = self.frames.pop(seq)
+            for batch in late:
                 if batch:
                     self.sched.frame_done()
                 self.counters.rejections["FRAME_LOST"] += 1

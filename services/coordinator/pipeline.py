@@ -75,18 +75,21 @@ class Pipeline:
         self.epoch, self.stages, self.seq, self.stamp_key = epoch, list(reply.stages), 0, key
         self.call = stub.Forward()
 
-    async def send(self, slots: list[stage_pb2.Slot]) -> int:
+    def frame(self, slots: list[stage_pb2.Slot]) -> stage_pb2.Frame:
+        """The stream's next frame, numbered, its stamps signed (before any fault injection: a faulted stamp
+        must not be re-signed). Note its stream_seq before sending it: the reply may be read first."""
         self.seq += 1
-        self.stamp_key.sign(slots)   # before any fault injection: a faulted stamp must not be re-signed
-        frame = stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
-                                payload_digest=self.stamp_key.frame_digest(b"", slots))
+        self.stamp_key.sign(slots)
+        return stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
+                               payload_digest=self.stamp_key.frame_digest(b"", slots))
+
+    async def send(self, frame: stage_pb2.Frame) -> None:
         if not self.faults.enabled:
             await self._write(frame)
-            return self.seq
+            return
         if self.faults.crash():
             crash(log)
         await self.outbound.send(frame)
-        return self.seq
 
     async def _write(self, frame: stage_pb2.Frame) -> None:
         try:

@@ -325,3 +325,7 @@ class Scheduler:
 
     def frame_done(self) -> None:
         self.frames_in_flight -= 1
+
+    def frames_lost(self) -> None:
+        """The stream broke or the driver restarted: no frame is in flight any more."""
+        self.frames_in_flight = 0

@@ -12,6 +12,7 @@ from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
 from tether.protocol.stamp_key import StampKey
 from tether.reference import sampling_params
+from tether.v1 import stage_pb2
 
 TOK = load_model_tokenizer(resolve_model("tiny"))
 
@@ -42,11 +43,13 @@ class FakePipeline:
     def frame_limits(self) -> tuple[int, int]:
         return 0, 0
 
-    async def send(self, slots) -> int:
+    def frame(self, slots) -> stage_pb2.Frame:
         self.seq += 1
-        if slots:
-            self.replies_q.put_nowait(self.answer(self.connects, self.seq, slots))
-        return self.seq
+        return stage_pb2.Frame(stream_seq=self.seq, slots=slots)
+
+    async def send(self, frame: stage_pb2.Frame) -> None:
+        if frame.slots:
+            self.replies_q.put_nowait(self.answer(self.connects, frame.stream_seq, list(frame.slots)))
 
     async def replies(self):
         while True:
