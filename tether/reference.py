@@ -1,6 +1,7 @@
 """Single-process, single-request generation: the answer the service owes for each request.
 
-`generate` runs the whole model in this process with the same sampler and stop rules as the service.
+`generate` runs the whole model in this process with the same sampler and stop rules as the service: the
+in-process engine (tether/generation/inprocess.py), one request at a time.
 `audit` replays a served completion teacher-forced and classifies every token (exact, within margin, mismatch).
 """
 
@@ -11,14 +12,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from tether.client.wire import Messages, encode_messages
 from tether.generation import sampler
+from tether.generation.inprocess import InProcessEngine, forward_last
 from tether.generation.sequence import Sequence
 from tether.model.chat_template import ChatTemplate, load_chat_template, render_conversation
 from tether.model.config import ModelConfig
-from tether.model.llama import ModelSlice, SlotRows
+from tether.model.llama import ModelSlice
 from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
 from tether.model.tokenizer import Tokenizer
 from tether.protocol.hashing import hash_seed, messages_digest, prompt_digest
@@ -52,26 +52,13 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
                                      seed=seed, stop=list(stop), ignore_eos=ignore_eos)
 
 
-def _step(m: ModelSlice, kv, ids: list[int]) -> torch.Tensor:
-    """Feed tokens to the request's KV and return the logits after the last one."""
-    kv.ensure(kv.length + len(ids))
-    h = m(torch.tensor(ids, dtype=torch.long), [SlotRows(kv, kv.length, len(ids))])
-    kv.length += len(ids)
-    return m.logits(h[-1:])[0]
-
-
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], params: common_pb2.SamplingParams,
                  namespace: str = "", request_id: str = "") -> Sequence:
-    """Prefill the prompt, then decode one token at a time, exactly as the pipeline does for one request."""
+    """Prefill the prompt, then decode one token at a time, exactly as the pipeline does for one request: the
+    in-process engine with a batch of one (batch invariance makes that the served answer's bits)."""
     seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, lm.tokenizer,
                    hash_seed(lm.fingerprint, namespace), lm.config.max_position_embeddings)
-    kv = lm.model.new_kv()
-    logits = _step(lm.model, kv, seq.prompt_ids)
-    while True:
-        tok = sampler.sample(logits, params, len(seq.all_ids))
-        if seq.append(tok).finish_reason:
-            return seq
-        logits = _step(lm.model, kv, [tok])
+    return InProcessEngine(lm.model).run([seq])[0]
 
 
 def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
@@ -128,7 +115,7 @@ def audit(lm: LoadedModel, prompt_ids: list[int], output_ids: list[int], params:
     """Teacher-force the served tokens: was each one the reference's choice given the served prefix?"""
     result = AuditResult(EXACT)
     kv = lm.model.new_kv()
-    logits = _step(lm.model, kv, list(prompt_ids))
+    logits = forward_last(lm.model, [(kv, list(prompt_ids))])[0]
     for i, tok in enumerate(output_ids):
         position = len(prompt_ids) + i
         if not 0 <= tok < logits.numel():
@@ -148,5 +135,5 @@ def audit(lm: LoadedModel, prompt_ids: list[int], output_ids: list[int], params:
                 return result
             result.verdict = WITHIN_MARGIN
         if i + 1 < len(output_ids):
-            logits = _step(lm.model, kv, [tok])
+            logits = forward_last(lm.model, [(kv, [tok])])[0]
     return result

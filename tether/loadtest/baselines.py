@@ -1,8 +1,8 @@
 """Baselines measured in the same run, on the same requests, weights, batch size and threads:
 
-- engine: the raw in-process engine, a minimal continuous-batching loop over one whole-model ModelSlice with
-  the service's own sequence, sampler and batching limits, and no gRPC, stamps or pipeline: the ceiling the
-  service chases.
+- engine: the in-process engine (tether/generation/inprocess.py), continuous batching over one whole-model
+  ModelSlice with the service's own sequence, sampler and batching limits, and no gRPC, stamps or pipeline:
+  the ceiling the service chases.
 - hf: Hugging Face transformers `generate` with static batching (left padded, greedy) on the same folder:
   what a Python user would pick instead.
 - hf_cb: transformers' own continuous batching (`generate_batch`, paged KV cache) on the same folder: the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,8 @@ from pathlib import Path
 import torch
 
 from tether import reference
-from tether.generation import sampler
+from tether.generation.inprocess import InProcessEngine
 from tether.generation.sequence import Sequence
-from tether.model.llama import SlotRows
 from tether.v1 import common_pb2
 
 
@@ -56,41 +54,15 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def run_engine(lm: reference.LoadedModel, jobs: Seq[Job], batch_size: int, max_batch_tokens: int) -> BaselineRun:
-    """Continuous batching in one process: each step decodes every running request and admits waiting ones
-    (whole prompts, in arrival order) while the step stays within `batch_size` requests and `max_batch_tokens`
-    rows, as the coordinator's scheduler does for one stage."""
-    model = lm.model
-    waiting = deque(Sequence(str(i), list(j.prompt_ids), j.params, lm.tokenizer, 0, lm.config.max_position_embeddings)
-                    for i, j in enumerate(jobs))
-    running: list[tuple[Sequence, object]] = []
-    produced = 0
+    """The in-process engine (tether/generation/inprocess.py) over every job at once: each step decodes every
+    running request and admits waiting ones (whole prompts, in arrival order) while the step stays within
+    `batch_size` requests and `max_batch_tokens` rows, as the coordinator's scheduler does for one stage."""
+    seqs = [Sequence(str(i), list(j.prompt_ids), j.params, lm.tokenizer, 0, lm.config.max_position_embeddings)
+            for i, j in enumerate(jobs)]
+    engine = InProcessEngine(lm.model, batch_size, max_batch_tokens)
     t0 = time.perf_counter()
-    while waiting or running:
-        rows = len(running)
-        while waiting and len(running) < batch_size and (
-                not running or rows + len(waiting[0].prompt_ids) <= max_batch_tokens):
-            seq = waiting.popleft()
-            running.append((seq, model.new_kv()))
-            rows += len(seq.prompt_ids)
-        feeds = [seq.all_ids[kv.length:] for seq, kv in running]
-        slots = []
-        for (_, kv), ids in zip(running, feeds):
-            kv.ensure(kv.length + len(ids))
-            slots.append(SlotRows(kv, kv.length, len(ids)))
-        h = model(torch.tensor([t for ids in feeds for t in ids], dtype=torch.long), slots)
-        ends = torch.tensor([len(ids) for ids in feeds]).cumsum(0) - 1
-        logits = model.logits(h[ends])
-        still = []
-        for k, ((seq, kv), ids) in enumerate(zip(running, feeds)):
-            kv.length += len(ids)
-            seq.append(sampler.sample(logits[k], seq.sampling, len(seq.all_ids)))
-            produced += 1
-            if seq.finished:
-                kv.release()
-            else:
-                still.append((seq, kv))
-        running = still
-    return BaselineRun(produced, time.perf_counter() - t0)
+    engine.run(seqs)
+    return BaselineRun(sum(len(s.output_ids) for s in seqs), time.perf_counter() - t0)
 
 
 def load_hf(folder: Path):
