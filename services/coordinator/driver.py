@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from services.coordinator.health import PipelineHealth
 from services.coordinator.inflight import FramesInFlight
 from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
@@ -86,22 +86,27 @@ class Driver:
         self.max_rebuilds = max_rebuilds
         self.stamp_checks = stamp_checks     # False only under the experiment-only unsafe switch
         self.prefix_cache = prefix_cache     # send cached prefixes the stages hold (False: --no-prefix-cache)
-        self.on_serving = on_serving         # health reporting; awaited before `serving` turns True
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames = FramesInFlight()
         self.to_release: list[str] = []
         self.release_attempts: dict[str, int] = {}   # request id -> failed Release attempts so far
         self.wake = asyncio.Event()
-        self.serving = False
-        self.status = "connecting"
-        self.down_since: float | None = None          # set while recovering in-flight requests
+        self.health = PipelineHealth(on_serving, self._spawn)
         self.counters = Counters()
         self._background: set[asyncio.Task] = set()
         self.on_batch: Callable[[list[Request]], None] = lambda batch: None   # telemetry hook: a frame's requests
         # Traced requests only (tracing on and sampled): empty otherwise, and every tracing path of the loop
         # starts with `if self.traces:`, so with tracing off nothing else runs.
         self.traces: dict[str, RequestSpans] = {}
+
+    @property
+    def serving(self) -> bool:
+        return self.health.serving
+
+    @property
+    def status(self) -> str:
+        return self.health.status
 
     @property
     def step_seconds(self) -> float:
@@ -174,14 +179,12 @@ class Driver:
                 await asyncio.sleep(settings.RECONNECT_INTERVAL_S)
                 continue
             self._apply_stage_limits()
-            if self.on_serving is not None:
-                await self.on_serving(True)   # health first: whoever sees `serving` finds health agreeing
-            self.serving, self.status = True, "serving"
+            await self.health.up()
             log.info("pipeline serving: %s", ", ".join(
                 f"{s.address}[{s.layer_start},{s.layer_end})" for s in self.pipeline.stages))
             try:
-                if self.down_since is not None:
-                    self.down_since = None
+                if self.health.recovering:
+                    self.health.recovered()
                     self.counters.reconnects += 1
                     await self._resync([r for r in self.sched.running.values() if not r.done])
                 async with asyncio.TaskGroup() as tg:   # one failing task cancels the others
@@ -213,8 +216,7 @@ class Driver:
         if isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
         why = f"coordinator driver failed: {type(error).__name__}: {error}"
-        self._not_serving()
-        self.status = f"restarting: {why}"
+        self.health.down(f"restarting: {why}")
         self.pipeline.close_stream()
         for req in self.active():
             req.in_flight = False
@@ -225,7 +227,7 @@ class Driver:
                     req.in_flight = False
                     self._queue_release(req.id)
         self.sched.frames_lost()
-        self.down_since = None
+        self.health.recovered()
         ids, self.to_release = self.to_release, []
         if ids:
             try:
@@ -235,11 +237,6 @@ class Driver:
             for rid in ids:
                 self.sched.released(rid)
 
-    def _not_serving(self) -> None:
-        if self.serving and self.on_serving is not None:
-            self._spawn(self.on_serving(False))
-        self.serving = False
-
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)            # held so it is not collected mid-flight
@@ -248,10 +245,7 @@ class Driver:
     def _broken(self, why: str) -> None:
         """The stream broke: keep requests, forget frames in flight (their outcome is unknown until a sync)."""
         log.warning("pipeline broken, recovering: %s", why)
-        self._not_serving()
-        self.status = f"recovering: {why}"
-        if self.down_since is None:
-            self.down_since = time.monotonic()
+        self.health.broken(why)
         for batch in self.frames.forget():
             for req in batch:
                 req.in_flight = False
@@ -263,14 +257,13 @@ class Driver:
         """No pipeline: fail queued work at once, in-flight work once the recovery window has passed."""
         if self.serving or self.status != why:
             log.warning("pipeline down: %s", why)
-        self._not_serving()
-        self.status = why if self.down_since is None else f"recovering: {why}"
-        expired = self.down_since is None or time.monotonic() - self.down_since > self.recovery_window_s
+        self.health.down(f"recovering: {why}" if self.health.recovering else why)
+        expired = self.health.waited_past(self.recovery_window_s)
         for req in list(self.sched.waiting) + (list(self.sched.running.values()) if expired else []):
             req.in_flight = False
             self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"pipeline failed during generation: {why}"))
         if expired:
-            self.down_since = None
+            self.health.recovered()
 
     async def _feed(self) -> None:
         while True:
@@ -466,7 +459,7 @@ class Driver:
             return
         if self.traces:
             for r in reqs:
-                self._trace_event(r, "resync", "FRAME_LOST" if self.down_since is None else "PIPELINE_BROKEN",
+                self._trace_event(r, "resync", "PIPELINE_BROKEN" if self.health.recovering else "FRAME_LOST",
                                   "asking every stage what it holds")
         held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
         for req in reqs:
