@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 from pathlib import Path
@@ -15,12 +14,11 @@ from services.admission.pipelines import Pipelines, parse_coordinators
 from services.admission.routing import POLICIES
 from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
 from services.admission.validate import ModelLimits
-from tether import settings, supervise, telemetry
+from tether import service_main, settings, supervise, telemetry
 from tether.argtypes import positive_int
-from tether.procutil import follow_parent
 from tether.grpcutil import Server
 from tether.security import tls
-from tether.telemetry import logs, metrics, tracing
+from tether.telemetry import logs, metrics
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -126,8 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
     readiness = supervise.start("readiness", lambda: follow_readiness(server, servicer), not_ready)
     pipelines.start()   # each pipeline's load, and the set of pipelines behind `dns:` names
     if registry is not None:
-        port = metrics.serve(registry, args.host, args.metrics_port)
-        logs.announce(log, f"admission metrics on http://{args.host}:{port}/metrics")
+        service_main.serve_metrics("admission", registry, args.host, args.metrics_port)
     logs.announce(log, f"admission listening on {args.host}:{server.port} (pipelines {', '.join(pipelines.links)}, "
                        f"model {args.model} {fingerprint})")
     try:
@@ -140,15 +137,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        args.tls = tls.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    follow_parent()
-    logs.configure("admission", args.log_level, args.log_format)
-    tracing.configure("admission", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
-    try:
-        asyncio.run(serve(args))
-    except OSError as e:   # e.g. a --port or --metrics-port in use
-        raise SystemExit(f"tether admission: {e}")
+    # Only OSError (e.g. a --port or --metrics-port in use) is fatal in one line: serve words its own bad input.
+    service_main.run("admission", parser, parser.parse_args(argv), serve, experiments=False, fatal=(OSError,))

@@ -9,13 +9,12 @@ import logging
 from services.coordinator.driver import Driver
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
-from tether import grpcutil, settings, supervise, telemetry
-from tether.procutil import follow_parent
-from tether.faults import FaultInjector, add_experiment_flags, experiment_config
+from tether import grpcutil, service_main, settings, supervise, telemetry
+from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
 from tether.security import authz, tls
-from tether.telemetry import logs, metrics, tracing
+from tether.telemetry import logs, metrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("coordinator")
@@ -91,8 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
         # the very Stats reply gRPC clients get, built on the loop that owns the driver's state
         registry.register(metrics.CoordinatorCollector(
             lambda: metrics.on_loop(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
-        port = metrics.serve(registry, args.host, args.metrics_port)
-        logs.announce(log, f"coordinator metrics on http://{args.host}:{port}/metrics")
+        service_main.serve_metrics("coordinator", registry, args.host, args.metrics_port)
     await server.set_serving(False)
     loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
@@ -105,16 +103,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    follow_parent()
-    logs.configure("coordinator", args.log_level, args.log_format)
-    tracing.configure("coordinator", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
-    args.fault_config = experiment_config(parser, args, log)
-    try:
-        args.tls = tls.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        asyncio.run(serve(args))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise SystemExit(f"tether coordinator: {e}")
+    service_main.run("coordinator", parser, parser.parse_args(argv), serve)

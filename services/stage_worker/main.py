@@ -10,13 +10,12 @@ import torch
 
 from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import FrameLimits, StageWorker
-from tether import grpcutil, settings, supervise, telemetry
-from tether.procutil import follow_parent
-from tether.faults import FaultInjector, add_experiment_flags, experiment_config
+from tether import grpcutil, service_main, settings, supervise, telemetry
+from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
 from tether.security import authz, tls
-from tether.telemetry import logs, metrics, tracing
+from tether.telemetry import logs, metrics
 
 log = logging.getLogger("stage")
 
@@ -69,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)   # process-wide, before the slice loads
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_folder(folder)
     start, end = parse_layers(args.layers, cfg.num_hidden_layers)
@@ -99,8 +100,7 @@ async def serve(args: argparse.Namespace) -> None:
         # the very Stats reply gRPC clients get (its figures are read on the step thread, between steps)
         registry.register(metrics.StageCollector(
             lambda: metrics.on_loop(loop, lambda: servicer.Stats(stage_pb2.StageStatsRequest(), None))))
-        port = metrics.serve(registry, args.host, args.metrics_port)
-        logs.announce(log, f"stage metrics on http://{args.host}:{port}/metrics")
+        service_main.serve_metrics("stage", registry, args.host, args.metrics_port)
     await server.set_serving(True)
     leases = supervise.start("lease", servicer.expire_leases)
     logs.announce(log, f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, "
@@ -114,21 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    follow_parent()
     if min(args.max_streams, args.max_streams_per_peer, args.max_frame_rows, args.max_frame_slots) < 1 \
             or args.stream_idle <= 0:
         parser.error("--max-streams, --max-streams-per-peer, --max-frame-rows and --max-frame-slots must be >= 1 "
                      "and --stream-idle > 0")
-    logs.configure("stage", args.log_level, args.log_format)
-    tracing.configure("stage", args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
-    args.fault_config = experiment_config(parser, args, log)
-    try:
-        args.tls = tls.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        asyncio.run(serve(args))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise SystemExit(f"tether stage: {e}")
+    service_main.run("stage", parser, args, serve)

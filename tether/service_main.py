@@ -1,0 +1,51 @@
+"""The start-up and metrics endpoint every service's `main()` shares, so each main.py keeps only its own flags and wiring.
+
+A service (services/{admission,coordinator,stage_worker}/main.py) builds its parser and its `serve(args)`
+coroutine; `run` does the rest the same way for all three: die with the parent (tether/procutil.py), logs,
+tracing, the experiment flags, TLS from the flags, then the event loop until SIGINT/SIGTERM (the coroutine
+ends in `grpcutil.Server.wait_for_signal`, which drains in-flight calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from tether.procutil import follow_parent
+from tether.security import tls
+from tether.telemetry import logs, metrics, tracing
+
+
+def run(name: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
+        serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], *, experiments: bool = True,
+        fatal: tuple[type[BaseException], ...] = (OSError, ValueError)) -> None:
+    """Start service `name` ("stage", "coordinator", "admission": its log and trace name) from its parsed
+    `args` and run `serve(args)` to its end. With `experiments`, the parser has tether.faults' experiment
+    flags and `args.fault_config` is set from them; `args.tls` is always set (None: plaintext). A bad flag
+    value is a usage error (exit 2); an error of a type in `fatal` out of `serve` (a port in use, a missing
+    model folder) ends the process with one line, `tether NAME: error`, instead of a traceback."""
+    follow_parent()
+    logs.configure(name, args.log_level, args.log_format)
+    tracing.configure(name, args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
+    if experiments:
+        from tether.faults import experiment_config   # admission has no experiment flags
+        args.fault_config = experiment_config(parser, args, logging.getLogger(name))
+    try:
+        args.tls = tls.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        asyncio.run(serve(args))
+    except fatal as e:
+        raise SystemExit(f"tether {name}: {e}")
+
+
+def serve_metrics(name: str, registry: CollectorRegistry, host: str, port: int) -> None:
+    """Serve `registry` on http://host:port/metrics (--metrics-port; 0 picks a free port) and announce where."""
+    port = metrics.serve(registry, host, port)
+    logs.announce(logging.getLogger(name), f"{name} metrics on http://{host}:{port}/metrics")
