@@ -18,12 +18,12 @@ BISECTIONS = 3
 MAX_LEVELS = 12        # the search stops here whatever it found: every level costs a full load run
 
 
-def meets(level: dict, min_good: float = MIN_GOOD) -> tuple[bool, str]:
-    """Whether one level's report meets the SLO, and why not."""
-    s = level["summary"]
+def meets(summary: dict, audit: dict | None, min_good: float = MIN_GOOD) -> tuple[bool, str]:
+    """Whether one level meets the SLO, from its summary (stats.level_summary) and audit (None: not audited),
+    and why not."""
+    s = summary
     if s["failed"]:
         return False, f"{s['failed']} request(s) failed ({s['errors_by_status']})"
-    audit = level.get("audit")
     if audit is None:
         return False, "not audited"
     if audit["mismatch"]:

@@ -31,7 +31,6 @@ The pure parts (plan parsing, counters, cells and the table) are separate from t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import threading
@@ -46,6 +45,7 @@ import grpc
 from tether import reference
 from tether.loadtest import audit
 from tether.loadtest.records import RequestRecord
+from tether.loadtest.results import ChaosCell, SpawnedRun, StageExit
 from tether.faults import FOLLOWED, KINDS, FaultConfig
 
 # Per-frame rates when the plan names a kind without one: each kind fires several times in a run of a few
@@ -225,39 +225,36 @@ def _add(counters: Iterable[dict]) -> dict[str, int]:
     return dict(sorted((k, v) for k, v in total.items() if v))
 
 
-def chaos_cell(stats: dict, records: list[RequestRecord], crashes: int = 0, ledger: dict | None = None) -> dict:
+def chaos_cell(stats: dict, records: list[RequestRecord], crashes: int = 0, ledger: dict | None = None) -> ChaosCell:
     """One run's figures from its Stats (`read_stats` shape) and its audited requests (verdicts set); with the
     run's `read_ledger`, the distinct faults caught and slipped by kind."""
     coord, stages = stats["coordinator"], stats["stages"]
     injected = _add([coord.get("faults_injected", {}), *(s.get("faults_injected", {}) for s in stages),
                      {"crash": crashes}])
-    at_stages = _add(s.get("rejections", {}) for s in stages)
-    at_coordinator = _add([coord.get("rejections", {})])
-    failed = dict(sorted(Counter(r.error_code for r in records if not r.ok).items()))
     done = [r for r in records if r.ok]
     checks = coord.get("stamp_checks", True) and all(s.get("stamp_checks", True) for s in stages)
-    return dict(stamp_checks=checks, requests=len(records), completed=len(done),
-                injected=sum(injected.values()), injected_by_kind=injected,
-                detected=sum(at_stages.values()) + sum(at_coordinator.values()),
-                detected_at_stages=at_stages, detected_at_coordinator=at_coordinator,
-                recovered=coord.get("recovered", 0), rebuilds=coord.get("rebuilds", 0),
-                resumes=coord.get("resumes", 0), pipeline_reconnects=coord.get("pipeline_reconnects", 0),
-                stage_crashes=crashes, failed=sum(failed.values()), failed_by_status=failed,
-                wrong_answers=sum(r.verdict == reference.MISMATCH for r in done),
-                exact=sum(r.verdict == reference.EXACT for r in done),
-                within_margin=sum(r.verdict == reference.WITHIN_MARGIN for r in done),
-                not_audited=sum(not r.verdict for r in done),
-                **({} if ledger is None else dict(faults_by_kind=ledger_counts(ledger))))
+    return ChaosCell(stamp_checks=checks, requests=len(records), completed=len(done), injected_by_kind=injected,
+                     detected_at_stages=_add(s.get("rejections", {}) for s in stages),
+                     detected_at_coordinator=_add([coord.get("rejections", {})]),
+                     recovered=coord.get("recovered", 0), rebuilds=coord.get("rebuilds", 0),
+                     resumes=coord.get("resumes", 0), pipeline_reconnects=coord.get("pipeline_reconnects", 0),
+                     stage_crashes=crashes,
+                     failed_by_status=dict(sorted(Counter(r.error_code for r in records if not r.ok).items())),
+                     wrong_answers=sum(r.verdict == reference.MISMATCH for r in done),
+                     exact=sum(r.verdict == reference.EXACT for r in done),
+                     within_margin=sum(r.verdict == reference.WITHIN_MARGIN for r in done),
+                     not_audited=sum(not r.verdict for r in done),
+                     faults_by_kind=None if ledger is None else ledger_counts(ledger))
 
 
-def chaos_table(cells: Iterable[tuple[str, str, dict]]) -> list[dict]:
-    """Rows of (kind, "on"/"off", cell) runs: one row per kind (first-seen order), checks on and off side by
-    side; a side that did not run is None."""
+def chaos_table(cells: Iterable[tuple[str, str, ChaosCell]]) -> list[dict]:
+    """The report's rows of (kind, "on"/"off", cell) runs: one row per kind (first-seen order), checks on and
+    off side by side as report.json has them; a side that did not run is None."""
     rows: dict[str, dict] = {}
     for kind, checks, cell in cells:
         if checks not in CHECKS:
             raise ValueError(f"checks must be 'on' or 'off', got {checks!r}")
-        rows.setdefault(kind, dict(kind=kind, on=None, off=None))[checks] = cell
+        rows.setdefault(kind, dict(kind=kind, on=None, off=None))[checks] = cell.to_json()
     return list(rows.values())
 
 
@@ -274,6 +271,14 @@ def not_requested() -> dict:
 
 # --- the runs --------------------------------------------------------------------------------------------------
 
+def with_faults(argv: list[str], spec: str) -> list[str]:
+    """A copy of a service's argv with its `--faults` value replaced by `spec` (unchanged without one)."""
+    if "--faults" not in argv:
+        return list(argv)
+    at = argv.index("--faults") + 1
+    return [*argv[:at], spec, *argv[at + 1:]]
+
+
 @dataclass
 class StageSupervisor:
     """Restarts a stage that exits during a run (a `crash` fault), as a container restart policy would, with
@@ -287,7 +292,7 @@ class StageSupervisor:
     cluster: object                       # tether.cli.cluster.LocalCluster
     plan: ChaosPlan
     kind: str
-    exits: list[dict] = field(default_factory=list)     # {stage, status, uptime_s}
+    exits: list[StageExit] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -304,11 +309,11 @@ class StageSupervisor:
 
     @property
     def crashes(self) -> int:
-        return sum(e["status"] == 137 for e in self.exits)
+        return sum(e.status == 137 for e in self.exits)
 
     @property
     def failed_restarts(self) -> int:
-        return sum(e["status"] != 137 for e in self.exits)
+        return sum(e.status != 137 for e in self.exits)
 
     def _watch(self) -> None:
         stages = [s for s in self.cluster.services if s.name.startswith("stage")]
@@ -317,11 +322,9 @@ class StageSupervisor:
             for svc in stages:
                 if svc.proc is None or svc.proc.poll() is None:
                     continue
-                self.exits.append(dict(stage=svc.name, status=svc.proc.returncode,
-                                       uptime_s=round(time.monotonic() - started[svc.name], 1)))
-                argv = svc.argv
-                if "--faults" in argv:
-                    argv[argv.index("--faults") + 1] = self.plan.spec(self.kind, seed_offset=len(self.exits))
+                self.exits.append(StageExit(svc.name, svc.proc.returncode,
+                                            round(time.monotonic() - started[svc.name], 1)))
+                svc.argv = with_faults(svc.argv, self.plan.spec(self.kind, seed_offset=len(self.exits)))
                 try:
                     self.cluster.restart(svc.name)
                     started[svc.name] = time.monotonic()
@@ -336,18 +339,18 @@ def run_spawned(bench, plan: ChaosPlan, log_root: Path) -> dict:
     `bench` is the run's `runner.Bench`: its options give model, stages, threads, workload and load, and its
     records receive the chaos requests (level `chaos KIND checks on|off`, audited)."""
     from tether.loadtest import baselines
-    from tether.loadtest.runner import AUDIT_THREADS, budget_of, levels_of, stage_threads
+    from tether.loadtest.runner import AUDIT_THREADS
     from tether.cli.cluster import LocalCluster
 
-    args = bench.args
-    level, budget = levels_of(args)[0], budget_of(args)
+    o = bench.options
+    level, budget = o.levels[0], o.budget
     cells = []
     runs = []
     for kind in plan.rates:
         for checks in CHECKS:
             label = f"chaos {kind} checks {checks}"
             log_dir = log_root / f"chaos-{kind}-checks-{checks}"
-            cluster = LocalCluster(model=args.model, stages=args.stages, threads=stage_threads(args),
+            cluster = LocalCluster(model=o.model, stages=o.stages, threads=o.stage_threads,
                                    log_dir=log_dir, extra=cluster_flags(plan, kind, checks))
             try:
                 cluster.start(timeout=300)
@@ -368,9 +371,10 @@ def run_spawned(bench, plan: ChaosPlan, log_root: Path) -> dict:
                 summary = audit.audit_records(bench.lm, run.records)
             bench.records += run.records
             cell = chaos_cell(stats, run.records, supervisor.crashes, read_ledger(log_dir))
-            cell.update(wall_s=run.wall_s, spec=plan.spec(kind), stage_exits=supervisor.exits,
-                        failed_restarts=supervisor.failed_restarts, restart_errors=supervisor.errors,
-                        mismatches=summary.mismatches[:3], stats=stats)
+            cell.spawned = SpawnedRun(wall_s=run.wall_s, spec=plan.spec(kind), stage_exits=supervisor.exits,
+                                      failed_restarts=supervisor.failed_restarts, restart_errors=supervisor.errors,
+                                      mismatches=summary.mismatches[:3])
+            cell.stats = stats
             cells.append((kind, checks, cell))
             runs.append(dict(kind=kind, checks=checks, label=label, logs=str(log_dir)))
     rows = chaos_table(cells)
@@ -385,10 +389,10 @@ def target_report(before: dict, after: dict, records: list[RequestRecord], label
     """The chaos dict against a running cluster: one row, what happened between the two Stats readings."""
     delta = stats_delta(before, after)
     cell = chaos_cell(delta, records)
-    cell["stats"] = delta
-    kind = label or "+".join(cell["injected_by_kind"]) or ("(none injected)" if after["stages"] else
+    cell.stats = delta
+    kind = label or "+".join(cell.injected_by_kind) or ("(none injected)" if after["stages"] else
                                                            "(as started; stage faults not read)")
-    rows = chaos_table([(kind, "on" if cell["stamp_checks"] else "off", cell)])
+    rows = chaos_table([(kind, "on" if cell.stamp_checks else "off", cell)])
     return dict(requested=True, available=True, mode="target", coordinator=after["coordinator"]["address"],
                 stages=[s["address"] for s in after["stages"]], wrong_answer_unit="request", rows=rows,
                 totals=totals(rows),
@@ -397,10 +401,3 @@ def target_report(before: dict, after: dict, records: list[RequestRecord], label
                       ("" if after["stages"] else "; no --stage-addresses given, so faults injected by the stages "
                        "and their own rejections are not counted (the coordinator's rejections include the "
                        "stage rejections it received)")))
-
-
-def check_target_args(args: argparse.Namespace) -> None:
-    if not args.spawn and args.chaos is not None and not args.coordinator:
-        raise SystemExit("tether bench: --chaos against a running cluster (--target) needs --coordinator "
-                         "HOST:PORT, the coordinator whose Stats counts faults and recoveries; with --spawn the "
-                         "bench starts its own clusters with each fault kind")

@@ -16,8 +16,10 @@ import torch
 
 from tether import reference, settings
 from tether.argtypes import positive_int as _positive_int
-from tether.loadtest import capacity, chaos, cluster_stats, report, stats
-from tether.loadtest.runner import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, Bench, budget_of, levels_of, stage_threads
+from tether.loadtest import capacity, chaos, cluster_stats, loadgen, report, stats
+from tether.loadtest.options import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, BenchOptions, Credentials
+from tether.loadtest.results import LevelResult
+from tether.loadtest.runner import Bench
 from tether.loadtest.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
@@ -255,8 +257,47 @@ def workload_of(args: argparse.Namespace, lm: reference.LoadedModel) -> Workload
     return Workload(args.workload, lm.tokenizer.encode, synthetic, LongSpec(lo, hi), SharedDocSpec(args.doc_tokens))
 
 
+def stage_threads(args: argparse.Namespace) -> int:
+    """Torch threads per stage process: --threads, else the cores divided among the stages (as `tether up`)."""
+    return args.threads or max(1, (os.cpu_count() or 1) // (args.stages * getattr(args, "pipelines", 1)))
+
+
+def levels_of(args: argparse.Namespace) -> list[loadgen.Level]:
+    if args.sweep:
+        return [loadgen.Level("open", rate=r) for r in args.sweep]
+    if args.rate:
+        return [loadgen.Level("open", rate=args.rate)]
+    return [loadgen.Level("closed", concurrency=args.concurrency or DEFAULT_CONCURRENCY)]
+
+
+def budget_of(args: argparse.Namespace) -> loadgen.Budget:
+    if args.duration:
+        return loadgen.Budget(duration_s=args.duration)
+    return loadgen.Budget(num_requests=args.num_requests or DEFAULT_NUM_REQUESTS)
+
+
+def options_of(args: argparse.Namespace) -> BenchOptions:
+    """The options the runner and the chaos runs read, from the checked command line (after the checks
+    that set --audit and --duration)."""
+    threads = stage_threads(args)
+    return BenchOptions(
+        model=args.model, stages=args.stages, stage_threads=threads, levels=tuple(levels_of(args)),
+        budget=budget_of(args), seed=args.seed, warmup=args.warmup, timeout_s=args.timeout, slo=args.slo,
+        audit=args.audit, quiet=args.quiet,
+        credentials=Credentials(args.api_key, args.tls_ca, args.tls_cert, args.tls_key),
+        capacity_start=args.rate or 1.0, baseline_requests=args.baseline_requests, batch_size=args.batch_size,
+        baseline_threads=args.baseline_threads or threads, repeats=args.repeats)
+
+
 NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch (issue 11)
 STAGE_KV_FLAG = "--kv-capacity"         # services/stage_worker/main.py: the stage's KV pool in tokens
+
+
+def check_target_args(args: argparse.Namespace) -> None:
+    if not args.spawn and args.chaos is not None and not args.coordinator:
+        raise SystemExit("tether bench: --chaos against a running cluster (--target) needs --coordinator "
+                         "HOST:PORT, the coordinator whose Stats counts faults and recoveries; with --spawn the "
+                         "bench starts its own clusters with each fault kind")
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -363,24 +404,35 @@ def start_cluster(args: argparse.Namespace, prefix_cache: bool, log_dir: Path) -
     return cluster
 
 
+# The one-screen summary's columns: its short header -> the report's column (report.py's *_HEADER).
+PRINTED_SUMMARY = {"level": "level", "done": "done", "req/s": "req/s", "goodput": "goodput/s", "tok/s": "out tok/s",
+                   "TTFT p50/p99": "TTFT p50/p99 ms", "TPOT p50/p99": "TPOT p50/p99 ms",
+                   "E2E p50/p99": "E2E p50/p99 ms", "errors": "errors",
+                   "audit ex/mg/MISMATCH": "audit exact/margin/MISMATCH"}
+PRINTED_ENGINE = {"level": "level", "hit rate": "prefix hit rate", "computed/prompt": "computed ÷ prompt",
+                  "preempt": "preemptions", "NO_CAPACITY coord/stages": "NO_CAPACITY coordinator / stages",
+                  "stage busy": "stage busy", "KV blocks end": "KV blocks end used/cached/total",
+                  "CPU bench": "CPU busy: bench", "CPU services": "CPU busy: services"}
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a plain-text table, each column as wide as its widest cell."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+
+
 def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = print) -> None:
+    """The run in one screen, read from the report as report.json has it."""
     out("")
     out(f"tether bench: {rep['meta']['model']} at {rep['meta']['target']}")
-    header = ["level", "done", "req/s", "goodput", "tok/s", "TTFT p50/p99", "TPOT p50/p99", "E2E p50/p99", "errors",
-              "audit ex/mg/MISMATCH"]
-    rows = [row[:7] + [row[8], row[9], row[10].replace("**", "")] for row in report.summary_rows(rep["levels"])]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    for row in [header, *rows]:
-        out("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-    rows = report.engine_rows(rep["levels"])
-    if rows:
+    rows = [[r[col].replace("**", "") for col in PRINTED_SUMMARY.values()] for r in report.summary_rows(rep["levels"])]
+    for line in _columns(list(PRINTED_SUMMARY), rows):
+        out(line)
+    engine = report.engine_rows(rep["levels"])
+    if engine:
         out("engine (Δ Stats per level; CPU busy = CPU time ÷ wall, bench = this client):")
-        header = ["level", "hit rate", "computed/prompt", "preempt", "NO_CAPACITY coord/stages", "stage busy", "KV blocks end",
-                  "CPU bench", "CPU services"]
-        rows = [[r[0], r[1], r[3], r[5], r[6], r[8], r[9], r[10], r[11]] for r in rows]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        for row in [header, *rows]:
-            out("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        for line in _columns(list(PRINTED_ENGINE), [[r[col] for col in PRINTED_ENGINE.values()] for r in engine]):
+            out("  " + line)
     cap = rep.get("capacity")
     if cap:
         for lv in cap["levels"]:
@@ -405,18 +457,18 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
             f"engine {b['engine']['output_token_throughput']:.1f}, transformers "
             f"{report.fmt(b['hf']['output_token_throughput'])}, transformers CB "
             f"{report.fmt(b.get('hf_cb', {}).get('output_token_throughput'))}; "
-            f"tether/generation {report.ratio_text(ratio['vs_engine'])}, "
+            f"tether/engine {report.ratio_text(ratio['vs_engine'])}, "
             f"tether/transformers {report.ratio_text(ratio['vs_hf'])}, "
             f"tether/transformers CB {report.ratio_text(ratio.get('vs_hf_cb'))}")
     if rep["chaos"]["requested"]:
         out("chaos (per fault kind: injected / detected / recovered / failed explicitly / wrong answers):")
-        header = ["kind", "checks ON", "checks OFF"]
-        def side(cells: list[str]) -> str:
+
+        def side(cell: dict | None) -> str:
+            cells = report.chaos_side(cell)
             return cells[0] if cells[0] == report.NOT_RUN else " / ".join(cells).replace("**", "")
-        rows = [[r[0], side(r[1:6]), side(r[6:11])] for r in report.chaos_rows(rep["chaos"]["rows"])]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        for row in [header, *rows]:
-            out("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        rows = [[r["kind"], side(r["on"]), side(r["off"])] for r in rep["chaos"]["rows"]]
+        for line in _columns(["kind", "checks ON", "checks OFF"], rows):
+            out("  " + line)
         t = rep["chaos"]["totals"]
         out(f"  wrong answers: {t['wrong_answers_checks_on']} with stamp checks on, "
             f"{t['wrong_answers_checks_off']} with them off")
@@ -426,18 +478,18 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
     out("report: " + ", ".join(str(f) for f in files))
 
 
-async def compare_levels(args: argparse.Namespace, off: Bench, on: Bench) -> list[dict]:
-    """--compare-prefix-cache: both clusters up at once, each level run on one then the other (the order
-    alternating by repeat), so a change in the machine's load hits both sides alike."""
+async def compare_levels(options: BenchOptions, repeats: int, off: Bench, on: Bench) -> list[LevelResult]:
+    """--compare-prefix-cache: both clusters up at once, each level run `repeats` times on one then the other
+    (the order alternating by repeat), so a change in the machine's load hits both sides alike."""
     out = []
-    async with AsyncClient(off.target, timeout=args.timeout, retry=None) as c_off, \
-            AsyncClient(on.target, timeout=args.timeout, retry=None) as c_on:
+    async with AsyncClient(off.target, timeout=options.timeout_s, retry=None) as c_off, \
+            AsyncClient(on.target, timeout=options.timeout_s, retry=None) as c_on:
         await off.warm_up(c_off)
         await on.warm_up(c_on)
         sides = [(off, c_off), (on, c_on)]
-        for level in levels_of(args):
-            for r in range(args.compare_repeats):
-                suffix = f" #{r + 1}" if args.compare_repeats > 1 else ""
+        for level in options.levels:
+            for r in range(repeats):
+                suffix = f" #{r + 1}" if repeats > 1 else ""
                 for bench, client in (sides if r % 2 == 0 else sides[::-1]):
                     out.append(await bench.measured_level(client, level, f"levels:{r}" if r else "levels",
                                                           bench.label(level) + suffix))
@@ -447,7 +499,7 @@ async def compare_levels(args: argparse.Namespace, off: Bench, on: Bench) -> lis
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    chaos.check_target_args(args)
+    check_target_args(args)
     check_engine_args(args)
     target_chaos = args.chaos is not None and not args.spawn
     if target_chaos:
@@ -457,10 +509,11 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"tether bench: {e}") from None
     workload = workload_of(args, lm)
+    options = options_of(args)
     if args.compare_prefix_cache:
-        rep, records, bench = run_compare(args, argv, lm, workload)
+        rep, records, bench = run_compare(args, options, argv, lm, workload)
     else:
-        rep, records, bench = run_one(args, argv, lm, workload, target_chaos)
+        rep, records, bench = run_one(args, options, argv, lm, workload, target_chaos)
     if args.spawn and args.chaos is not None:
         kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
         print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
@@ -471,9 +524,10 @@ def main(argv: list[str] | None = None) -> None:
     print_summary(rep, files)
 
 
-def run_one(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel, workload: Workload,
-            target_chaos: bool) -> tuple[dict, list, Bench]:
-    """The levels (and baselines) on one cluster: spawned, or the running one at --target."""
+def run_one(args: argparse.Namespace, options: BenchOptions, argv: list[str], lm: reference.LoadedModel,
+            workload: Workload, target_chaos: bool) -> tuple[dict, list, Bench]:
+    """The levels (and baselines) on one cluster: spawned, or the running one at --target; the report as
+    report.json has it."""
     cluster = start_cluster(args, not args.no_prefix_cache, args.out / "logs") if args.spawn else None
     target = cluster.target if cluster else args.target
     before: dict = {}
@@ -484,23 +538,27 @@ def run_one(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel
     try:
         rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
-        bench = Bench(args, target, lm, workload, probe_of(args, cluster))
+        bench = Bench(options, target, lm, workload, probe_of(args, cluster))
+        capacity_found = None
         if args.find_capacity:
-            rep["levels"], rep["capacity"] = asyncio.run(bench.run_capacity(args.pipelines))
+            levels, capacity_found = asyncio.run(bench.run_capacity(args.pipelines))
         else:
-            rep["levels"] = asyncio.run(bench.run_levels(read_before if target_chaos else None))
+            levels = asyncio.run(bench.run_levels(read_before if target_chaos else None))
+        rep["levels"] = [lv.to_json() for lv in levels]
+        if capacity_found is not None:
+            rep["capacity"] = capacity_found
         if target_chaos:
             after = chaos.read_stats(args.coordinator, args.stage_addresses)
             rep["chaos"] = chaos.target_report(before, after, bench.records)
         if args.baselines:
-            rep["baselines"] = bench.run_baselines()
+            rep["baselines"] = bench.run_baselines().to_json()
     finally:
         if cluster is not None:
             cluster.stop()
     return rep, bench.records, bench
 
 
-def run_compare(args: argparse.Namespace, argv: list[str], lm: reference.LoadedModel,
+def run_compare(args: argparse.Namespace, options: BenchOptions, argv: list[str], lm: reference.LoadedModel,
                 workload: Workload) -> tuple[dict, list, Bench]:
     """--compare-prefix-cache: two clusters, without and with the cache, the same levels on both; baselines (if
     asked) on the one with the cache."""
@@ -508,15 +566,15 @@ def run_compare(args: argparse.Namespace, argv: list[str], lm: reference.LoadedM
     try:
         for name, cache in ((cluster_stats.CACHE_OFF, False), (cluster_stats.CACHE_ON, True)):
             clusters.append(start_cluster(args, cache, args.out / "logs" / ("cache-on" if cache else "cache-off")))
-        off, on = (Bench(args, c.target, lm, workload, probe_of(args, c), name)
+        off, on = (Bench(options, c.target, lm, workload, probe_of(args, c), name)
                    for c, name in zip(clusters, (cluster_stats.CACHE_OFF, cluster_stats.CACHE_ON)))
         rep = dict(meta=meta(args, argv, f"{off.target} (without), {on.target} (with)", lm, clusters[1]),
                    chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
-        rep["levels"] = asyncio.run(compare_levels(args, off, on))
+        rep["levels"] = [lv.to_json() for lv in asyncio.run(compare_levels(options, args.compare_repeats, off, on))]
         rep["prefix_cache_compare"] = cluster_stats.compare_prefix_cache(rep["levels"])
         if args.baselines:
-            rep["baselines"] = on.run_baselines()
+            rep["baselines"] = on.run_baselines().to_json()
     finally:
         for c in clusters:
             c.stop()

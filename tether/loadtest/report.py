@@ -51,20 +51,22 @@ def _audit_cell(audit: dict | None) -> str:
     return f"{audit['exact']}/{audit['within_margin']}/**{audit['mismatch']}** ({_pct(audit['mismatch_rate'])})"
 
 
-def summary_rows(levels: list[dict]) -> list[list[str]]:
+SUMMARY_HEADER = ["level", "done", "req/s", "goodput/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                  "ITL p50/p99 ms", "E2E p50/p99 ms", "errors", "audit exact/margin/MISMATCH"]
+
+
+def summary_rows(levels: list[dict]) -> list[dict[str, str]]:
+    """One row per level, its cells by SUMMARY_HEADER column."""
     rows = []
     for lv in levels:
         s, lat = lv["summary"], lv["summary"]["latency_ms"]
-        rows.append([lv["label"], f"{s['completed']}/{s['requests']}", fmt(s["request_throughput"], 2),
-                     fmt(s["goodput"], 2), fmt(s["output_token_throughput"]),
-                     *(f"{fmt(lat[m]['p50'])} / {fmt(lat[m]['p99'])}" for m in METRICS),
-                     ", ".join(f"{k} {v}" for k, v in s["errors_by_status"].items()) or "0",
-                     _audit_cell(lv["audit"])])
+        cells = [lv["label"], f"{s['completed']}/{s['requests']}", fmt(s["request_throughput"], 2),
+                 fmt(s["goodput"], 2), fmt(s["output_token_throughput"]),
+                 *(f"{fmt(lat[m]['p50'])} / {fmt(lat[m]['p99'])}" for m in METRICS),
+                 ", ".join(f"{k} {v}" for k, v in s["errors_by_status"].items()) or "0",
+                 _audit_cell(lv["audit"])]
+        rows.append(dict(zip(SUMMARY_HEADER, cells, strict=True)))
     return rows
-
-
-SUMMARY_HEADER = ["level", "done", "req/s", "goodput/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                  "ITL p50/p99 ms", "E2E p50/p99 ms", "errors", "audit exact/margin/MISMATCH"]
 
 
 def _group_table(groups: dict[str, dict]) -> list[str]:
@@ -92,7 +94,7 @@ def markdown(report: dict) -> str:
     if mismatches:
         out += [f"> **{mismatches} MISMATCH(ES) FOUND BY THE AUDIT**: answers the model would not give to "
                 "their request. This is a correctness bug; details below.", ""]
-    out += ["## Summary", "", *_table(SUMMARY_HEADER, summary_rows(report["levels"])), ""]
+    out += ["## Summary", "", *_table(SUMMARY_HEADER, [list(r.values()) for r in summary_rows(report["levels"])]), ""]
     out += _capacity_md(report.get("capacity"))
     out += _engine_summary_md(report)
     for lv in report["levels"]:
@@ -165,9 +167,9 @@ ENGINE_HEADER = ["level", "prefix hit rate", "hit tokens", "computed ÷ prompt",
                  "CPU busy: bench", "CPU busy: services"]
 
 
-def engine_rows(levels: list[dict]) -> list[list[str]]:
-    """One row per level that measured its engine: the coordinator's figures, the stages' busy fractions and the
-    processes' CPU busy fractions."""
+def engine_rows(levels: list[dict]) -> list[dict[str, str]]:
+    """One row per level that measured its engine, its cells by ENGINE_HEADER column: the coordinator's
+    figures, the stages' busy fractions and the processes' CPU busy fractions."""
     rows = []
     for lv in levels:
         e, cpu = lv.get("engine"), lv.get("cpu")
@@ -180,13 +182,14 @@ def engine_rows(levels: list[dict]) -> list[list[str]]:
         no_capacity = f"{fmt(c.get('rejections', {}).get('NO_CAPACITY', 0) if c else None)} / {at_stages}"
         procs = (cpu or {}).get("processes", {})
         services = [f"{n} {frac(f)}" for n, f in fold_children(procs).items() if n != "bench"]
-        rows.append([lv["label"], frac(c.get("prefix_hit_rate")), fmt(c.get("prefix_hit_tokens")),
-                     frac(c.get("computed_per_prompt_token")), frac(c.get("prefill_per_prompt_token_est")),
-                     fmt(c.get("preemptions")), no_capacity if e else "–",
-                     _counts(c.get("rejections", {})) if c else "–",
-                     ", ".join(frac(s["busy_fraction"]) for s in stages) or "–",
-                     _blocks(c) if c else "–",
-                     frac(procs.get("bench", {}).get("busy_fraction")), ", ".join(services) or "–"])
+        cells = [lv["label"], frac(c.get("prefix_hit_rate")), fmt(c.get("prefix_hit_tokens")),
+                 frac(c.get("computed_per_prompt_token")), frac(c.get("prefill_per_prompt_token_est")),
+                 fmt(c.get("preemptions")), no_capacity if e else "–",
+                 _counts(c.get("rejections", {})) if c else "–",
+                 ", ".join(frac(s["busy_fraction"]) for s in stages) or "–",
+                 _blocks(c) if c else "–",
+                 frac(procs.get("bench", {}).get("busy_fraction")), ", ".join(services) or "–"]
+        rows.append(dict(zip(ENGINE_HEADER, cells, strict=True)))
     return rows
 
 
@@ -198,7 +201,7 @@ def _engine_summary_md(report: dict) -> list[str]:
             "From the coordinator's and stages' Stats before and after each level (a slot a stage rejects is "
             "counted there and again at the coordinator: NO_CAPACITY shows both), and each process's CPU time ÷ the level's wall time (1.00 = one core; "
             "`bench` is this client). A figure whose denominator is 0 shows –.", "",
-            *_table(ENGINE_HEADER, rows), ""]
+            *_table(ENGINE_HEADER, [list(r.values()) for r in rows]), ""]
 
 
 def _engine_level_md(lv: dict) -> list[str]:
@@ -292,7 +295,8 @@ CHAOS_FIGURES = ("injected", "detected", "recovered", "failed explicitly", "wron
 NOT_RUN = "not run"
 
 
-def _chaos_side(cell: dict | None) -> list[str]:
+def chaos_side(cell: dict | None) -> list[str]:
+    """The five CHAOS_FIGURES of one side of a chaos row (NOT_RUN first when it did not run)."""
     if cell is None:
         return [NOT_RUN] + ["–"] * 4
     wrong = f"{cell['wrong_answers']} of {cell['completed']}"
@@ -304,7 +308,7 @@ def _chaos_side(cell: dict | None) -> list[str]:
 
 def chaos_rows(rows: list[dict]) -> list[list[str]]:
     """Per fault kind: the five figures with the stamp checks on, then the five with them off."""
-    return [[r["kind"], *_chaos_side(r["on"]), *_chaos_side(r["off"])] for r in rows]
+    return [[r["kind"], *chaos_side(r["on"]), *chaos_side(r["off"])] for r in rows]
 
 
 def _chaos_details(side: str, cell: dict) -> str:

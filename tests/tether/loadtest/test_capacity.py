@@ -30,16 +30,17 @@ def test_a_start_that_misses_halves_down_and_a_hopeless_cluster_ends():
 
 
 def level(failed=0, mismatch=0, goodput=9.9, wall=10.0, requests=100, audited=True):
-    return dict(summary=dict(failed=failed, errors_by_status={}, goodput=goodput, wall_s=wall, requests=requests),
-                audit=dict(mismatch=mismatch) if audited else None)
+    """A level's summary and audit, as `meets` takes them."""
+    return (dict(failed=failed, errors_by_status={}, goodput=goodput, wall_s=wall, requests=requests),
+            dict(mismatch=mismatch) if audited else None)
 
 
 def test_meets_needs_no_failure_no_mismatch_and_99_percent_within_the_slo():
-    assert meets(level())[0]
-    assert not meets(level(goodput=9.8))[0]
-    assert not meets(level(failed=1))[0]
-    assert not meets(level(mismatch=1))[0]
-    assert "not audited" in meets(level(audited=False))[1]
+    assert meets(*level())[0]
+    assert not meets(*level(goodput=9.8))[0]
+    assert not meets(*level(failed=1))[0]
+    assert not meets(*level(mismatch=1))[0]
+    assert "not audited" in meets(*level(audited=False))[1]
 
 
 def test_find_capacity_needs_an_slo_and_runs_levels_for_a_time():

@@ -9,7 +9,7 @@ import pytest
 
 from tether import reference
 from tether.loadtest import chaos, report, stats
-from tether.loadtest.cli import build_parser, print_summary
+from tether.loadtest.cli import build_parser, check_target_args, print_summary
 from tether.loadtest.cli import main as bench_main
 from tether.loadtest.records import RequestRecord
 from tether.loadtest.workloads import BenchRequest
@@ -75,9 +75,9 @@ def test_unsafe_switch_only_on_the_checks_off_run():
 def test_against_a_running_cluster_chaos_needs_the_coordinator():
     args = build_parser().parse_args(["--chaos"])
     with pytest.raises(SystemExit, match="needs --coordinator"):
-        chaos.check_target_args(args)
-    chaos.check_target_args(build_parser().parse_args(["--chaos", "--coordinator", "127.0.0.1:1"]))
-    chaos.check_target_args(build_parser().parse_args(["--chaos", "--spawn"]))
+        check_target_args(args)
+    check_target_args(build_parser().parse_args(["--chaos", "--coordinator", "127.0.0.1:1"]))
+    check_target_args(build_parser().parse_args(["--chaos", "--spawn"]))
 
 
 # --- cells and the table from fake Stats ---------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_cell_adds_stages_and_coordinator():
                          stage({"forget_kv": 2}, {"UNKNOWN_REQUEST": 2})])
     records = [rec(0), rec(1, reference.WITHIN_MARGIN), rec(2, error="ABORTED"), rec(3, error="ABORTED"),
                rec(4, error="UNAVAILABLE")]
-    c = chaos.chaos_cell(stats, records)
+    c = chaos.chaos_cell(stats, records).to_json()
     assert c["injected"] == 5 and c["injected_by_kind"] == {"forget_kv": 5}
     assert c["detected"] == 9
     assert c["detected_at_stages"] == {"UNKNOWN_REQUEST": 4}
@@ -104,14 +104,14 @@ def test_cell_with_checks_off_counts_wrong_answers_and_crashes():
     stats = dict(coordinator=coordinator(checks=False),
                  stages=[stage({"crash": 0}, checks=False), stage({}, checks=False)])
     records = [rec(0, reference.MISMATCH), rec(1, reference.MISMATCH), rec(2), rec(3, verdict="")]
-    c = chaos.chaos_cell(stats, records, crashes=2)
+    c = chaos.chaos_cell(stats, records, crashes=2).to_json()
     assert c["stamp_checks"] is False
     assert c["injected"] == 2 and c["injected_by_kind"] == {"crash": 2} and c["stage_crashes"] == 2
     assert c["detected"] == 0 and c["failed"] == 0
     assert c["wrong_answers"] == 2 and c["exact"] == 1 and c["not_audited"] == 1
     # one stage with its checks off is enough to call the run unchecked
     mixed = dict(coordinator=coordinator(), stages=[stage(), stage(checks=False)])
-    assert chaos.chaos_cell(mixed, [])["stamp_checks"] is False
+    assert chaos.chaos_cell(mixed, []).stamp_checks is False
 
 
 def test_the_ledger_counts_distinct_faults_by_fate(tmp_path):
@@ -143,7 +143,7 @@ def test_table_puts_checks_on_and_off_side_by_side():
     only_on = chaos.chaos_cell(dict(coordinator=coordinator(), stages=[]), [])
     rows = chaos.chaos_table([("drop", "on", on), ("corrupt", "on", only_on), ("drop", "off", off)])
     assert [r["kind"] for r in rows] == ["drop", "corrupt"]
-    assert rows[0]["on"] is on and rows[0]["off"] is off and rows[1]["off"] is None
+    assert rows[0]["on"] == on.to_json() and rows[0]["off"] == off.to_json() and rows[1]["off"] is None
     assert chaos.totals(rows) == {"wrong_answers_checks_on": 0, "wrong_answers_checks_off": 1}
     text = report.chaos_rows(rows)
     assert text[0] == ["drop", "2", "3", "0", "0", "0 of 1", "2", "0", "0", "0", "**1 of 1**"]
@@ -196,7 +196,7 @@ def test_markdown_of_a_spawned_chaos_run():
     for r in done:
         r.ttft, r.e2e = 0.1, 0.5
     level = dict(label="concurrency 4", summary=stats.level_summary(done, 1.0, None), audit=None)
-    rows.append(dict(kind="corrupt", on=on, off=None))
+    rows.append(dict(kind="corrupt", on=on.to_json(), off=None))
     lines: list[str] = []
     print_summary(dict(meta=dict(model="tiny", target="t"), levels=[level], chaos=dict(rep, rows=rows)), [],
                   lines.append)

@@ -207,8 +207,9 @@ def test_report_shows_engine_and_cpu_figures():
                                  dict(wall=2.0, cpu={"stage0": 1.5, "bench": 0.2}, rss_kib={"stage0": 1024}))
     lv.update(mode="closed", rate=0.0, concurrency=4, load_average=[0.1, 0.2], by_workload={}, by_tag={}, audit=None)
     (row,) = report.engine_rows([lv])
-    assert row[1] == "0.50" and row[6] == "3 / 1" and row[7] == "NO_CAPACITY 3" and row[8] == "0.50"
-    assert row[10] == "0.10" and row[11] == "stage0 0.75"
+    assert row["prefix hit rate"] == "0.50" and row["NO_CAPACITY coordinator / stages"] == "3 / 1"
+    assert row["rejections (coordinator)"] == "NO_CAPACITY 3" and row["stage busy"] == "0.50"
+    assert row["CPU busy: bench"] == "0.10" and row["CPU busy: services"] == "stage0 0.75"
     md = "\n".join(report._engine_level_md(lv))
     assert "5 hits of 10 queries" in md and "| stage0 | 1.50 | 0.75 | 1.0 |" in md
     meta = dict(date="d", command="c", target="t", spawned=True, model="tiny", model_fingerprint="f", stages=1,

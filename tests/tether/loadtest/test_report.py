@@ -136,6 +136,6 @@ def test_fmt(value, text):
 
 
 def test_baseline_ratio_is_the_median_of_per_repeat_ratios():
-    from tether.loadtest.runner import ratio
-    assert ratio([10.0, 30.0, 12.0], [20.0, 20.0, 12.0]) == pytest.approx(1.0)
-    assert ratio([10.0], []) is None
+    from tether.loadtest.results import median_ratio
+    assert median_ratio([10.0, 30.0, 12.0], [20.0, 20.0, 12.0]) == pytest.approx(1.0)
+    assert median_ratio([10.0], []) is None
