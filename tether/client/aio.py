@@ -9,15 +9,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.credentials import call_metadata, open_channel, resolve
-from tether.client.tracecontext import trace_metadata
+from tether.client.common import ClientCore, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
-from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
-from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
-                                result_from_response, sent_and_request, tag_request, tags_dict)
+from tether.client.retry import Retrier, RetryPolicy, RetryRun
+from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
+                                sent_and_request, tag_request, tags_dict)
 from tether.types import Delta
-from tether.v1 import admission_pb2, admission_pb2_grpc
+from tether.v1 import admission_pb2
 
 T = TypeVar("T")
 
@@ -37,7 +36,7 @@ async def _sleep(retrier: Retrier, delay: float, cancelled: asyncio.Event | None
         await asyncio.sleep(delay)
 
 
-class AsyncStream:
+class AsyncStream(StreamCore):
     """Tokens of one request as they are generated: `async for delta in stream`.
 
     When iteration ends, `.result` holds the whole `GenerateResult` with its receipt checked; `.tags` and `.seed`
@@ -52,32 +51,9 @@ class AsyncStream:
 
     def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall], prompt: Sent, request_id: str,
                  run: RetryRun, retrier: Retrier) -> None:
-        self._start = start
-        self._prompt, self._request_id = prompt, request_id
-        self._run, self._retrier = run, retrier
+        self._retrier = retrier
         self._cancelled = asyncio.Event()
-        self._delivered = False      # a Delta reached the caller: no retry from then on
-        self._call = start(run.attempt_timeout())
-        self._assembler = StreamAssembler(prompt, request_id)
-        self.result: GenerateResult | None = None
-
-    @property
-    def tags(self) -> dict[str, Any]:
-        return self._assembler.tags
-
-    @property
-    def seed(self) -> int:
-        return self._assembler.seed
-
-    @property
-    def internal_id(self) -> str:
-        """The id admission minted for this request (set with the first token; "" before)."""
-        return self._assembler.internal_id
-
-    @property
-    def attempts(self) -> int:
-        """Calls made for this stream so far: 1, or more after retries before the first token."""
-        return self._run.attempts
+        super().__init__(start, prompt, request_id, run)
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         while True:
@@ -92,31 +68,18 @@ class AsyncStream:
                 finally:
                     self._call.cancel()  # a no-op once the call completed; ends it before any next attempt
             except TetherError as error:
-                if self._delivered or self._cancelled.is_set():
-                    error.attempts = self._run.attempts
-                    if self._delivered:
-                        error.gave_up = STREAM_STARTED
-                    raise
-                delay = self._run.after_failure(error)
-                if delay is None:
-                    raise
-                await _sleep(self._retrier, delay, self._cancelled)
-                if self._cancelled.is_set():
-                    raise TetherError("the stream was cancelled while waiting to retry",
-                                      grpc.StatusCode.CANCELLED) from None
-                self._assembler = StreamAssembler(self._prompt, self._request_id)
-                self._call = self._start(self._run.attempt_timeout())
+                await _sleep(self._retrier, self._retry_delay(error, self._cancelled.is_set()), self._cancelled)
+                self._restart(self._cancelled.is_set())
                 continue
             break
-        self.result = self._assembler.finish()
-        self.result.attempts = self._run.attempts
+        self._finish()
 
     def cancel(self) -> None:
         self._cancelled.set()
         self._call.cancel()
 
 
-class AsyncClient:
+class AsyncClient(ClientCore):
     """`AsyncClient("127.0.0.1:50051")`: awaitable generate, stream and tag. Create it inside the event loop;
     use `async with` or `await close()`.
 
@@ -129,11 +92,7 @@ class AsyncClient:
                  retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
                  tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        self.timeout = timeout
-        self.retrier = make_retrier(retry)
-        self._conn = resolve(api_key, tls, tls_ca, tls_cert, tls_key)
-        self._channel = open_channel(target, self._conn, aio=True)
-        self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
+        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=True)
 
     async def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -221,14 +180,8 @@ class AsyncClient:
             await _sleep(self.retrier, delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> AsyncStream:
-        metadata = self._metadata()   # the caller's span where it asked, whenever the attempts run
-        return AsyncStream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
-                           sent, request_id,
-                           self.retrier.begin(self.timeout), self.retrier)
-
-    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
-        """Every call's metadata: the API key, and the caller's current span (tracecontext.py)."""
-        return call_metadata(self._conn, trace_metadata())
+        return AsyncStream(self._stream_starter(request), sent, request_id, self.retrier.begin(self.timeout),
+                           self.retrier)
 
     async def close(self) -> None:
         await self._channel.close()

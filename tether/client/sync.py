@@ -9,20 +9,19 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.credentials import call_metadata, open_channel, resolve
-from tether.client.tracecontext import trace_metadata
+from tether.client.common import ClientCore, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
-from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
-from tether.client.wire import (GenerateResult, Messages, StreamAssembler, encode_messages, encode_prompt,
-                                result_from_response, sent_and_request, tag_request, tags_dict)
+from tether.client.retry import Retrier, RetryPolicy, RetryRun
+from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
+                                sent_and_request, tag_request, tags_dict)
 from tether.types import Delta
-from tether.v1 import admission_pb2, admission_pb2_grpc
+from tether.v1 import admission_pb2
 
 T = TypeVar("T")
 
 
-class Stream:
+class Stream(StreamCore):
     """Tokens of one request as they are generated.
 
     Iterate it (once) for `Delta`s. When iteration ends, `.result` holds the whole `GenerateResult` with its
@@ -38,33 +37,9 @@ class Stream:
 
     def __init__(self, start: Callable[[float | None], grpc.Call], prompt: Sent, request_id: str, run: RetryRun,
                  sleep: Callable[[float], object] | None) -> None:
-        self._start = start
-        self._prompt, self._request_id = prompt, request_id
-        self._run = run
         self._cancelled = threading.Event()
         self._sleep = sleep if sleep is not None else self._cancelled.wait   # a cancel() cuts the wait short
-        self._delivered = False      # a Delta reached the caller: no retry from then on
-        self._call = start(run.attempt_timeout())
-        self._assembler = StreamAssembler(prompt, request_id)
-        self.result: GenerateResult | None = None
-
-    @property
-    def tags(self) -> dict[str, Any]:
-        return self._assembler.tags
-
-    @property
-    def seed(self) -> int:
-        return self._assembler.seed
-
-    @property
-    def internal_id(self) -> str:
-        """The id admission minted for this request (set with the first token; "" before)."""
-        return self._assembler.internal_id
-
-    @property
-    def attempts(self) -> int:
-        """Calls made for this stream so far: 1, or more after retries before the first token."""
-        return self._run.attempts
+        super().__init__(start, prompt, request_id, run)
 
     def __iter__(self) -> Iterator[Delta]:
         while True:
@@ -79,33 +54,20 @@ class Stream:
                 finally:
                     self._call.cancel()  # a no-op once the call completed; ends it before any next attempt
             except TetherError as error:
-                if self._delivered or self._cancelled.is_set():
-                    error.attempts = self._run.attempts
-                    if self._delivered:
-                        error.gave_up = STREAM_STARTED
-                    raise
-                delay = self._run.after_failure(error)
-                if delay is None:
-                    raise
-                self._sleep(delay)
-                if self._cancelled.is_set():
-                    raise TetherError("the stream was cancelled while waiting to retry",
-                                      grpc.StatusCode.CANCELLED) from None
-                self._assembler = StreamAssembler(self._prompt, self._request_id)
-                self._call = self._start(self._run.attempt_timeout())
+                self._sleep(self._retry_delay(error, self._cancelled.is_set()))
+                self._restart(self._cancelled.is_set())
                 if self._cancelled.is_set():   # cancel() raced with the start: end the new call too
                     self._call.cancel()
                 continue
             break
-        self.result = self._assembler.finish()
-        self.result.attempts = self._run.attempts
+        self._finish()
 
     def cancel(self) -> None:
         self._cancelled.set()
         self._call.cancel()
 
 
-class Client:
+class Client(ClientCore):
     """`Client("127.0.0.1:50051")`: generate, stream and tag against an admission service.
 
     `timeout` (seconds) bounds every call, all its attempts together; None waits as long as the server takes.
@@ -124,11 +86,7 @@ class Client:
                  retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
                  tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        self.timeout = timeout
-        self.retrier = make_retrier(retry)
-        self._conn = resolve(api_key, tls, tls_ca, tls_cert, tls_key)
-        self._channel = open_channel(target, self._conn)
-        self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
+        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=False)
 
     def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -217,14 +175,8 @@ class Client:
             sleep(delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> Stream:
-        metadata = self._metadata()   # the caller's span where it asked, whenever the attempts run
-        return Stream(lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata),
-                      sent, request_id,
-                      self.retrier.begin(self.timeout), self.retrier.sleep)
-
-    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
-        """Every call's metadata: the API key, and the caller's current span (tracecontext.py)."""
-        return call_metadata(self._conn, trace_metadata())
+        return Stream(self._stream_starter(request), sent, request_id, self.retrier.begin(self.timeout),
+                      self.retrier.sleep)
 
     def close(self) -> None:
         self._channel.close()
