@@ -1,4 +1,5 @@
-"""Cost of batch invariance: decode and prefill throughput of the invariant kernels divided by the plain ones.
+"""Cost of batch invariance: decode and prefill throughput of the invariant kernels divided by the plain ones
+(tether/model/plain.py, a baseline that exists for this benchmark only).
 
 Both variants run in this process, on the same weights and threads, interleaved repeat by repeat; the figure
 is the median over repeats of the per-repeat ratio (the machine is shared and noisy: ratios side by side,
@@ -24,10 +25,13 @@ import torch.nn.functional as F
 from tether.model.invariant import padded_rows
 from tether.model.llama import ModelSlice, SlotRows
 from tether.model.loader import load_slice, resolve_model
-from tether.model.tiles import AttentionPlan, tile_attention
+from tether.model.plain import PlainSlice
+from tether.model.tiles import AttentionPlan
+
+Model = ModelSlice | PlainSlice   # the invariant kernels, or the plain ones over the same weights
 
 
-def _prefilled(model: ModelSlice, contexts: list[int], g: torch.Generator):
+def _prefilled(model: Model, contexts: list[int], g: torch.Generator):
     kvs = []
     for context in contexts:
         kv = model.new_kv()
@@ -38,7 +42,7 @@ def _prefilled(model: ModelSlice, contexts: list[int], g: torch.Generator):
     return kvs
 
 
-def decode_tokens_per_s(model: ModelSlice, contexts: list[int], steps: int) -> float:
+def decode_tokens_per_s(model: Model, contexts: list[int], steps: int) -> float:
     """B = len(contexts) requests decoding together, each from its own context length."""
     g = torch.Generator().manual_seed(0)
     kvs = _prefilled(model, contexts, g)
@@ -54,7 +58,7 @@ def decode_tokens_per_s(model: ModelSlice, contexts: list[int], steps: int) -> f
     return len(kvs) * steps / elapsed
 
 
-def prefill_tokens_per_s(model: ModelSlice, batch: int, prompt: int) -> float:
+def prefill_tokens_per_s(model: Model, batch: int, prompt: int) -> float:
     g = torch.Generator().manual_seed(1)
     kvs = [model.new_kv() for _ in range(batch)]
     for kv in kvs:
@@ -69,7 +73,7 @@ def prefill_tokens_per_s(model: ModelSlice, batch: int, prompt: int) -> float:
     return batch * prompt / elapsed
 
 
-def ratio(plain: ModelSlice, inv: ModelSlice, run, repeats: int) -> tuple[float, float]:
+def ratio(plain: PlainSlice, inv: ModelSlice, run, repeats: int) -> tuple[float, float]:
     """(median plain throughput, median invariant/plain ratio) over interleaved repeats, after a warm-up."""
     run(plain), run(inv)
     plain_rates, ratios = [], []
@@ -80,7 +84,7 @@ def ratio(plain: ModelSlice, inv: ModelSlice, run, repeats: int) -> tuple[float,
     return statistics.median(plain_rates), statistics.median(ratios)
 
 
-def _decode_slot(model: ModelSlice, context: int) -> list[SlotRows]:
+def _decode_slot(model: Model, context: int) -> list[SlotRows]:
     kv = model.new_kv()
     kv.ensure(context + 1)
     model(torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(2)), [SlotRows(kv, 0, context)])
@@ -89,7 +93,7 @@ def _decode_slot(model: ModelSlice, context: int) -> list[SlotRows]:
 
 
 @torch.inference_mode()
-def breakdown(plain: ModelSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
+def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
     """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
     the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
     cfg, rows = inv.cfg, padded_rows(1)
@@ -99,14 +103,14 @@ def breakdown(plain: ModelSlice, inv: ModelSlice, context: int, repeats: int) ->
     q, k = torch.randn(rows, heads, d), torch.randn(rows, kv_heads, d)
     linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(rows, m.in_features) for m in linears]
-    attn, layers = plain.layers[0].self_attn, range(cfg.num_hidden_layers)
+    per_slot, layers = plain.attention(sp), range(cfg.num_hidden_layers)
     pieces = {
         "step, plain": lambda: plain.logits(plain(torch.tensor([5]), sp)),
         "step, invariant": lambda: inv.logits(inv(torch.tensor([5]), si)),
         f"linears at {rows} rows": lambda: [F.linear(x, m.weight) for x, m in zip(xs, linears)],
         "linears at 1 row": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
-        "tile attention, every layer": lambda: [tile_attention(q, k, k, 0, plan) for _ in layers],
-        "SDPA per request, every layer": lambda: [attn._per_slot(q[:1], k[:1], k[:1], sp, 0) for _ in layers],
+        "tile attention, every layer": lambda: [plan.attend(q, k, k, 0) for _ in layers],
+        "SDPA per request, every layer": lambda: [per_slot.attend(q[:1], k[:1], k[:1], 0) for _ in layers],
         "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}
@@ -137,8 +141,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.breakdown:
         for name in args.model or ["tiny", "small"]:
-            plain, inv = load_slice(resolve_model(name)), load_slice(resolve_model(name))
-            plain.batch_invariant = False
+            plain, inv = PlainSlice(load_slice(resolve_model(name))), load_slice(resolve_model(name))
             for piece, share in breakdown(plain, inv, args.context, args.repeats).items():
                 print(f"{name:6s} {piece:32s} {share:.2f}× the plain step")
         return
@@ -150,8 +153,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name in args.model or ["tiny", "small"]:
         folder = resolve_model(name)
-        plain, inv = load_slice(folder), load_slice(folder)
-        plain.batch_invariant, inv.batch_invariant = False, True
+        plain, inv = PlainSlice(load_slice(folder)), load_slice(folder)
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()
             dec_plain, dec = ratio(plain, inv, lambda m: decode_tokens_per_s(m, [args.context] * b, args.steps),

@@ -60,9 +60,8 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
 
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
-# neighbours, its prompt chunking and the pipeline split. TETHER_BATCH_INVARIANT=0 turns it off for cost
-# measurements only; never in serving.
-BATCH_INVARIANT = __import__("os").environ.get("TETHER_BATCH_INVARIANT", "1") != "0"
+# neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of
+# tether/model/plain.py are a benchmark baseline only).
 ATTENTION_BLOCK = 64           # positions per paged-KV block, and per attention tile and key block
 
 # gRPC message size per service: each server accepts what its own contract needs, no more. Stages carry

@@ -40,6 +40,8 @@ _OUT_BUFFER = 64   # replies queued per stream before the stream stops reading f
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
+    # kv_capacity is unused: the handshake and Stats read the worker's budget. The argument goes once its callers
+    # (services/stage_worker/main.py, tests/tether/security/test_handshake_disclosure.py) stop passing it.
     def __init__(self, worker: StageWorker, fingerprint: str, address: str, kv_capacity: int,
                  lease_s: float = settings.KV_LEASE_S, faults: FaultInjector | None = None,
                  stream_idle_s: float = settings.STREAM_IDLE_S,
@@ -53,7 +55,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.model = worker.model
         self.fingerprint = fingerprint
         self.address = address
-        self.kv_capacity = kv_capacity
         self.lease_s = lease_s
         self.stream_idle_s = stream_idle_s
         self.max_streams = max_streams
@@ -83,8 +84,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.StageInfo(
             address=self.address, layer_start=m.layer_start, layer_end=m.layer_end, has_embedding=m.has_embedding,
             has_head=m.has_head, model_fingerprint=self.fingerprint if disclose else "",
-            protocol_version=settings.PROTOCOL_VERSION,
-            kv_capacity_tokens=self.kv_capacity, num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
+            protocol_version=settings.PROTOCOL_VERSION, kv_capacity_tokens=self.worker.kv_capacity_tokens,
+            num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
             max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
             max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens)
 
@@ -226,17 +227,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             w = self.worker
             stats = stage_pb2.StageStats(
                 faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
-                kv_used_tokens=w.kv_used_tokens(), kv_capacity_tokens=w.pool.capacity_tokens,
+                kv_used_tokens=w.kv_used_tokens(), kv_capacity_tokens=w.kv_capacity_tokens,
                 stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
                 replies_queued=queued, busy_seconds=w.busy_seconds, uptime_seconds=time.monotonic() - w.started,
                 steps=w.steps)
-            if w.arena is not None:
-                pool = w.arena.pool
-                stats.prefix_queries, stats.prefix_hits = pool.counters.queries, pool.counters.hits
-                stats.prefix_hit_tokens = pool.counters.hit_blocks * w.arena.block
-                stats.prefix_evictions = pool.counters.evictions
-                stats.kv_blocks_used, stats.kv_blocks_cached = pool.used, len(pool.evictable)
-                stats.kv_blocks_total = pool.capacity
+            pool = w.arena.pool
+            stats.prefix_queries, stats.prefix_hits = pool.counters.queries, pool.counters.hits
+            stats.prefix_hit_tokens = pool.counters.hit_blocks * w.arena.block
+            stats.prefix_evictions = pool.counters.evictions
+            stats.kv_blocks_used, stats.kv_blocks_cached = pool.used, len(pool.evictable)
+            stats.kv_blocks_total = pool.capacity
             return stats
         return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 

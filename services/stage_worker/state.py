@@ -11,7 +11,6 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from tether.kv.cache import KVCache
 from tether.kv.blocks import BlockPool, block_keys, extend_by_blocks
 from tether.kv.paged import PagedKV
 from tether.protocol.hashing import ContextHasher
@@ -34,7 +33,7 @@ class RequestState:
     request_id: str
     epoch: int
     hasher: ContextHasher
-    kv: KVCache | PagedKV
+    kv: PagedKV
     kv_tag: int                        # context hash the KV buffers were last written for
     last_used: float = field(default_factory=time.monotonic)
     tokens: array = field(default_factory=lambda: array("I"))   # the context, for the prefix cache's checks
@@ -81,14 +80,14 @@ class StageState:
 
     def __init__(self, new_kv, max_context: int, checks: bool = True, pool: BlockPool | None = None,
                  block: int = 0) -> None:
-        self._new_kv = new_kv          # callable(owner: str) -> KVCache | PagedKV
+        self._new_kv = new_kv          # callable(owner: str) -> PagedKV
         self.max_context = max_context
         # False only under --unsafe-disable-stamp-checks: an experiment that reproduces what a pipeline
         # without stamps does (trust the frame's position, run on whatever state is there). Never a default.
         self.checks = checks
         self.requests: dict[str, RequestState] = {}
-        # The prefix cache: the paged arena's block pool (None with the plain kernels, or without checks: a
-        # cache is only as good as the checks that fill it).
+        # The prefix cache: the arena's block pool (None without checks: a cache is only as good as the checks
+        # that fill it).
         self.pool = pool if checks and block else None
         self.block = block
 

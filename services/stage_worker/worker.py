@@ -15,7 +15,7 @@ import torch
 from services.stage_worker.state import Admitted, Rejected, StageState
 from tether import settings
 from tether.generation import sampler
-from tether.kv.cache import KVCache, KVPool, NoCapacity
+from tether.kv.blocks import NoCapacity
 from tether.kv.paged import PagedKV
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
@@ -61,17 +61,16 @@ class StageWorker:
         self.index = index
         self.dtype = dtype
         self.limits = limits
-        self.pool = KVPool(kv_capacity_tokens)
+        self.kv_capacity_tokens = kv_capacity_tokens   # the budget as given; the arena holds whole blocks of it
         # stamp_checks=False is --unsafe-disable-stamp-checks: no digest, no MAC and no per-slot checks 1, 2, 4.
         # It exists only to reproduce the wrong answers those checks prevent; never a default.
         self.stamp_checks = stamp_checks
         # The pipeline's stamp key, set by each handshake. None until then: every slot is refused (fail closed).
         self.stamp_key = stamp_key
-        # With the paged arena (batch invariance on), its block pool bounds the KV and keeps the prefix cache.
+        # Every request's KV lives in this arena; its block pool bounds the KV and keeps the prefix cache.
         self.arena = model.new_arena(kv_capacity_tokens)
         self.state = StageState(self._new_kv, model.cfg.max_position_embeddings,
-                                checks=stamp_checks, pool=self.arena.pool if self.arena is not None else None,
-                                block=self.block_tokens)
+                                checks=stamp_checks, pool=self.arena.pool, block=self.block_tokens)
         self.started = time.monotonic()
         self.busy_seconds = 0.0                     # wall time in steps that ran slots
         self.steps = 0
@@ -79,16 +78,16 @@ class StageWorker:
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
         self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
 
-    def _new_kv(self, owner: str) -> KVCache | PagedKV:
-        return PagedKV(self.arena, owner) if self.arena is not None else self.model.new_kv(self.pool, owner)
+    def _new_kv(self, owner: str) -> PagedKV:
+        return PagedKV(self.arena, owner)
 
     @property
     def block_tokens(self) -> int:
-        """Positions per KV block, the unit of the prefix cache (0: plain kernels, no prefix cache)."""
-        return self.arena.block if self.arena is not None else 0
+        """Positions per KV block, the unit of the prefix cache."""
+        return self.arena.block
 
     def kv_used_tokens(self) -> int:
-        return self.arena.used_blocks * self.arena.block if self.arena is not None else self.pool.used_tokens
+        return self.arena.used_blocks * self.arena.block
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.slots_rejected += 1

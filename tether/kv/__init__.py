@@ -1,6 +1,6 @@
-"""Per-request KV state and the pool that bounds it."""
+"""Per-request KV state: the paged arena, each request's block table, and the block pool that bounds it."""
 
-from tether.kv.cache import KVCache, KVPool, NoCapacity
+from tether.kv.blocks import NoCapacity
 from tether.kv.paged import BlockArena, PagedKV
 
-__all__ = ["BlockArena", "KVCache", "KVPool", "NoCapacity", "PagedKV"]
+__all__ = ["BlockArena", "NoCapacity", "PagedKV"]

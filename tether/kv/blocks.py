@@ -18,8 +18,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.kv.cache import NoCapacity
 from tether.protocol.hashing import ContextHasher
+
+
+class NoCapacity(Exception):
+    """The KV budget (a stage's block pool, or the coordinator's ledger of it) cannot hold this many more
+    tokens."""
 
 
 def extend_by_blocks(hasher: ContextHasher, token_ids, block: int) -> list[int]:

@@ -2,34 +2,44 @@
 
 A ModelSlice holds layers [layer_start, layer_end) plus, on the first stage, the embedding and, on the
 last, the final norm and LM head. One forward call runs a micro-batch of slots: the linear layers see all
-rows at once; each slot's queries attend to that slot's own keys only. With batch invariance on (the
-default) keys live in a paged arena and attention runs as batched tiles (tether/model/tiles.py); off,
-each request has its own contiguous KV and attention is one SDPA call per slot.
+rows at once; each slot's queries attend to that slot's own keys only. Keys live in a paged arena and
+attention runs as batched tiles (tether/model/tiles.py), so that a request's logits are bitwise independent
+of its batch neighbours (tether/model/invariant.py). The plain kernels that bench/batch_invariance.py
+measures this against are tether/model/plain.py, which serving never imports.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tether import settings
-from tether.kv.cache import KVCache
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
 from tether.model.invariant import invariant_threads, pad_rows, padded_rows
-from tether.model.tiles import AttentionPlan, Scratch, tile_attention
+from tether.model.tiles import AttentionPlan, Scratch
 
 
 @dataclass
 class SlotRows:
     """Which rows of a micro-batch belong to one request, and where they sit in its context."""
 
-    kv: KVCache | PagedKV
+    kv: PagedKV
     start: int      # position of the slot's first row
     length: int     # number of rows
+
+
+class Attend(Protocol):
+    """A micro-batch's attention, built once per step and used by every layer: an AttentionPlan (the paged,
+    batch-invariant tiles), or the plain kernels' per-request SDPA in the benchmark baseline."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """Store the rows' keys and values, attend each slot's queries to its own keys: [rows, heads * d]."""
 
 
 class RMSNorm(nn.Module):
@@ -78,36 +88,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: list[SlotRows], layer: int, plan: AttentionPlan | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                plan: Attend) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if plan is not None:
-            return self.o_proj(tile_attention(q, k, v, layer, plan))
-        return self.o_proj(self._per_slot(q, k, v, slots, layer).transpose(0, 1).reshape(n, -1))
-
-    def _per_slot(self, q, k, v, slots: list[SlotRows], layer: int) -> torch.Tensor:
-        """The plain kernels: one SDPA call per request over its contiguous KV. q: [n, heads, d] -> [heads, n, d]."""
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = torch.zeros_like(q)   # padding rows (past the slots) stay zero
-        row = 0
-        for s in slots:  # each request attends to its own keys only
-            rows = slice(row, row + s.length)
-            s.kv.write(layer, s.start, k[:, rows], v[:, rows])
-            total = s.start + s.length
-            keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
-            mask = None
-            if s.length > 1:
-                mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])
-            out[:, rows] = F.scaled_dot_product_attention(
-                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, enable_gqa=self.heads != self.kv_heads).squeeze(0)
-            row += s.length
-        return out
+        return self.o_proj(plan.attend(q, k, v, layer))
 
 
 class MLP(nn.Module):
@@ -129,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, layer, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, layer, plan)
+    def forward(self, x, cos, sin, layer, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,10 +130,8 @@ class ModelSlice(nn.Module):
     prefix, with layer indices local to the slice.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = settings.BATCH_INVARIANT):
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.batch_invariant = batch_invariant
         if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's "
                              f"{cfg.num_hidden_layers} layers")
@@ -168,13 +155,11 @@ class ModelSlice(nn.Module):
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
-    def new_kv(self, pool=None, owner: str = "") -> KVCache | PagedKV:
-        """Empty KV state for one request: paged in the arena with batch invariance on, contiguous off."""
-        if not self.batch_invariant:
-            return KVCache(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, pool,
-                           owner)
+    def new_kv(self, owner: str = "") -> PagedKV:
+        """Empty KV state for one request in this slice's own unbounded arena (the reference, tests and
+        benchmarks; a stage worker makes its requests' KV in the bounded arena it owns)."""
         if self.arena is None:
-            self.arena = self.new_arena(None if pool is None else pool.capacity_tokens)
+            self.arena = self.new_arena(None)
         return PagedKV(self.arena, owner)
 
     @property
@@ -189,11 +174,9 @@ class ModelSlice(nn.Module):
         per_block = max(1, self.kv_bytes_per_position * block)
         return int(mib * 2**20) // per_block * block
 
-    def new_arena(self, capacity_tokens: int | None) -> BlockArena | None:
+    def new_arena(self, capacity_tokens: int | None) -> BlockArena:
         """A paged KV arena for this slice holding up to `capacity_tokens` (whole blocks of it; None:
-        unbounded), or None with the plain kernels. A stage worker owns one; `new_kv` keeps a default one."""
-        if not self.batch_invariant:
-            return None
+        unbounded). A stage worker owns one; `new_kv` keeps a default one."""
         block = settings.ATTENTION_BLOCK
         return BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, block,
                           None if capacity_tokens is None else capacity_tokens // block)
@@ -202,35 +185,32 @@ class ModelSlice(nn.Module):
     def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
         """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
 
-        Each slot's KV must come from `new_kv` and already have room (`kv.ensure`); on success the caller
-        advances `kv.length`. With batch invariance on, rows are padded (tether/model/invariant.py) and the
-        padding dropped; a small batch runs on fewer threads (`invariant_threads`, the same bits).
+        Each slot's KV must come from `new_kv` (or the stage's arena) and already have room (`kv.ensure`); on
+        success the caller advances `kv.length`. Rows are padded (tether/model/invariant.py) and the padding
+        dropped; a small batch runs on fewer threads (`invariant_threads`, the same bits).
         """
-        if not self.batch_invariant:
-            return self._forward(inputs, slots)
-        with invariant_threads(inputs.shape[0]):
-            return self._forward(inputs, slots)
-
-    def _forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
         rows = inputs.shape[0]
-        prows = padded_rows(rows) if self.batch_invariant else rows
-        plan = None
-        if self.batch_invariant:   # built once per step, shared by every layer
-            plan = AttentionPlan.build(slots, prows, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
-                                       self.scratch)
-        x = self.embed_tokens(pad_rows(inputs, prows)) if self.has_embedding else pad_rows(inputs.to(self.dtype), prows)
+        with invariant_threads(rows):
+            padded = padded_rows(rows)
+            plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
+                                       self.scratch)   # built once per step, shared by every layer
+            return self.run_layers(inputs, slots, padded, plan)
+
+    def run_layers(self, inputs: torch.Tensor, slots: list[SlotRows], padded: int, plan: Attend) -> torch.Tensor:
+        """The embedding (first stage) and the layers over `inputs` padded to `padded` rows, attention by
+        `plan`; the real rows of the result."""
+        rows = inputs.shape[0]
+        x = self.embed_tokens(pad_rows(inputs, padded)) if self.has_embedding else pad_rows(inputs.to(self.dtype), padded)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
-        cos, sin = self.rotary.cos_sin(pad_rows(positions, prows), self.dtype)
+        cos, sin = self.rotary.cos_sin(pad_rows(positions, padded), self.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, i, plan)
+            x = layer(x, cos, sin, i, plan)
         return x[:rows]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
         rows = hidden.shape[0]
-        if not self.batch_invariant:
-            return self.lm_head(self.norm(hidden)).float()
         with invariant_threads(rows):
             return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows))))[:rows].float()

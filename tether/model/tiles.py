@@ -177,6 +177,10 @@ class AttentionPlan:
         out_index, outputs = output_rows(padded, heads, kv_heads, block, layout)
         return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer's attention for the micro-batch (`tile_attention`): [padded rows, heads * d]."""
+        return tile_attention(q, k, v, layer, self)
+
 
 def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:
     """Store the micro-batch's keys and values, then attend every request's queries to its own keys.

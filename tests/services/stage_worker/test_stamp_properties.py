@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from services.stage_worker.state import Rejected, StageState
 from services.stage_worker.worker import StageWorker, frame_digest
-from tether.kv.cache import KVCache, KVPool
+from tether.kv.paged import BlockArena, PagedKV
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors
 from tether.protocol.hashing import context_hash, hash_seed
@@ -134,11 +134,11 @@ def slot_for(draw, oracle: Oracle) -> stage_pb2.Slot:
 
 class Stage:
     def __init__(self) -> None:
-        self.pool = KVPool(100_000)
-        self.state = StageState(lambda owner: KVCache(2, 1, 4, torch.float32, self.pool, owner, block=4), MAX_CONTEXT)
+        self.arena = BlockArena(2, 1, 4, torch.float32, 4, 100_000 // 4)
+        self.state = StageState(lambda owner: PagedKV(self.arena, owner), MAX_CONTEXT)
 
     def snapshot(self):
-        return self.pool.used_tokens, {
+        return self.arena.used_blocks, {
             rid: (id(s), s.epoch, s.length, s.hasher.seed, s.hasher.value, s.kv_tag, id(s.kv), s.kv.owner,
                   s.kv.length, s.kv.capacity)
             for rid, s in self.state.requests.items()}

@@ -9,7 +9,7 @@ import torch
 
 from services.stage_worker.state import Admitted, Rejected, StageState
 from tether import settings
-from tether.kv.cache import KVCache, KVPool
+from tether.kv.paged import BlockArena, PagedKV
 
 BLOCK = settings.ATTENTION_BLOCK
 from tether.protocol.hashing import context_hash, hash_seed
@@ -22,11 +22,15 @@ MAX_CONTEXT = 64
 
 
 class Stage:
-    """A StageState with a real KV pool, driven the way the worker drives it (check, ensure, commit)."""
+    """A StageState with a real KV arena, driven the way the worker drives it (check, ensure, commit)."""
 
     def __init__(self, capacity: int = 10_000) -> None:
-        self.pool = KVPool(capacity)
-        self.state = StageState(lambda owner: KVCache(2, 1, 4, torch.float32, self.pool, owner), MAX_CONTEXT)
+        self.arena = BlockArena(2, 1, 4, torch.float32, BLOCK, capacity // BLOCK)
+        self.state = StageState(lambda owner: PagedKV(self.arena, owner), MAX_CONTEXT)
+
+    @property
+    def used_tokens(self) -> int:
+        return self.arena.used_blocks * BLOCK
 
     def admit(self, slot: stage_pb2.Slot) -> Admitted:
         a = self.state.check(slot)
@@ -41,9 +45,9 @@ class Stage:
     def snapshot(self, rid: str):
         st = self.state.requests.get(rid)
         if st is None:
-            return (None, self.pool.used_tokens)
+            return (None, self.used_tokens)
         return (st, st.epoch, st.length, st.hasher.value, st.kv_tag, st.kv.length, st.kv.capacity, st.kv.owner,
-                self.pool.used_tokens, dict(self.state.requests))
+                self.used_tokens, dict(self.state.requests))
 
 
 def slot(rid: str, tokens, history=(), epoch: int = 1, position: int | None = None, parent: int | None = None,
@@ -71,7 +75,7 @@ def test_good_slots_advance_the_chain(stage):
     st = stage.state.requests["a"]
     assert (st.length, st.epoch, st.kv.length) == (4, 1, 4)
     assert st.hasher.value == st.kv_tag == context_hash(SEED, PROMPT)
-    assert stage.pool.used_tokens == BLOCK                   # capacity is allocated in whole attention blocks
+    assert stage.used_tokens == BLOCK                   # capacity is allocated in whole attention blocks
     stage.step(slot("a", [9], PROMPT))
     stage.step(slot("a", [10, 11], PROMPT + [9]))
     assert st.length == 7 and st.hasher.value == context_hash(SEED, PROMPT + [9, 10, 11])
@@ -129,7 +133,7 @@ def test_state_mismatch_on_a_fresh_request():
     stage = Stage()
     reject(stage, slot("n", [1, 2], parent=123), RejectReason.STATE_MISMATCH)
     reject(stage, slot("n", [1, 2], context=123), RejectReason.STATE_MISMATCH)
-    assert stage.state.requests == {} and stage.pool.used_tokens == 0
+    assert stage.state.requests == {} and stage.used_tokens == 0
 
 
 def test_stale_epoch(stage):
@@ -198,12 +202,12 @@ def test_new_epoch_frees_the_old_state_as_soon_as_its_slot_passes(stage):
     """A rebuild's replay never needs room the old epoch still holds (the coordinator's block ledger counts
     those blocks freed when it rebuilds)."""
     old = stage.state.requests["a"]
-    used = stage.pool.used_tokens
+    used = stage.used_tokens
     rebuilt = PROMPT + [9, 10]
     a = stage.admit(slot("a", rebuilt, epoch=2))
     assert a.fresh and a.state is not old
     assert "a" not in stage.state.requests and old.kv.capacity == 0
-    assert stage.pool.used_tokens == used                      # the old buffers went back before the new ones
+    assert stage.used_tokens == used                      # the old buffers went back before the new ones
     stage.state.commit(a)
     new = stage.state.requests["a"]
     assert new is a.state and new.epoch == 2 and new.length == 6
@@ -223,23 +227,23 @@ def test_abandoned_new_epoch_leaves_nothing_held(stage):
     a = stage.admit(slot("a", [1, 2, 3], epoch=2))
     stage.state.abandon(a)
     assert "a" not in stage.state.requests and a.state.kv.capacity == 0
-    assert stage.pool.used_tokens == sum(st.kv.capacity for st in stage.state.requests.values())
+    assert stage.used_tokens == sum(st.kv.capacity for st in stage.state.requests.values())
 
 
 def test_abandoned_fresh_request_frees_its_kv():
     stage = Stage()
     a = stage.admit(slot("n", [1, 2, 3]))
-    assert a.fresh and stage.pool.used_tokens == BLOCK
+    assert a.fresh and stage.used_tokens == BLOCK
     stage.state.abandon(a)
-    assert stage.pool.used_tokens == 0 and "n" not in stage.state.requests
+    assert stage.used_tokens == 0 and "n" not in stage.state.requests
 
 
 def test_release_frees_kv_back_to_the_pool(stage):
     stage.step(slot("b", list(range(20))))
     stage.step(slot("a", list(range(30)), PROMPT))           # growth reserves more
-    assert stage.pool.used_tokens > 0
+    assert stage.used_tokens > 0
     assert stage.state.release(["a", "b", "missing"]) == 2
-    assert stage.pool.used_tokens == 0 and stage.state.requests == {}
+    assert stage.used_tokens == 0 and stage.state.requests == {}
     assert stage.state.release(["a"]) == 0                   # idempotent
     reject(stage, slot("a", [9], PROMPT), RejectReason.UNKNOWN_REQUEST)
 
@@ -250,9 +254,9 @@ def test_lease_expiry_frees_only_idle_state(stage):
     stage.step(slot("b", [1, 2]))
     stage.state.requests["b"].last_used = now - 1
     assert stage.state.expire(lease_s=10, now=now) == ["a"]
-    assert list(stage.state.requests) == ["b"] and stage.pool.used_tokens == BLOCK
+    assert list(stage.state.requests) == ["b"] and stage.used_tokens == BLOCK
     assert stage.state.expire(lease_s=10, now=now + 20) == ["b"]
-    assert stage.pool.used_tokens == 0 and stage.state.requests == {}
+    assert stage.used_tokens == 0 and stage.state.requests == {}
 
 
 def test_commit_refreshes_the_lease(stage):
@@ -264,7 +268,7 @@ def test_commit_refreshes_the_lease(stage):
 
 
 def test_no_capacity_is_raised_by_the_pool():
-    from tether.kv.cache import NoCapacity
+    from tether.kv.blocks import NoCapacity
 
     stage = Stage(capacity=BLOCK + BLOCK // 2)
     stage.step(slot("a", [1] * 10))                          # reserves one block
@@ -272,4 +276,4 @@ def test_no_capacity_is_raised_by_the_pool():
     with pytest.raises(NoCapacity):
         a.state.kv.ensure(10)
     stage.state.abandon(a)
-    assert stage.pool.used_tokens == BLOCK and list(stage.state.requests) == ["a"]
+    assert stage.used_tokens == BLOCK and list(stage.state.requests) == ["a"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.kv.cache import NoCapacity
+from tether.kv.blocks import NoCapacity
 from tether.kv.paged import BlockArena, PagedKV
 
 BLOCK = 4

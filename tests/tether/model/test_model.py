@@ -1,4 +1,4 @@
-"""The plain-PyTorch decoder: slicing, incremental decode, micro-batch isolation, loading and fingerprints.
+"""The decoder (and the plain kernels, the benchmark baseline): slicing, incremental decode, micro-batch isolation, loading and fingerprints.
 
 Everything runs on the generated `tiny` preset (4 layers), in float32 on the CPU.
 """
@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tether.kv.cache import KVCache
 from tether.kv.paged import PagedKV
 from tether.model import loader
 from tether.model.config import ModelConfig, even_split, parse_layers
 from tether.model.llama import ModelSlice, SlotRows
 from tether.model.loader import load_slice, model_fingerprint, resolve_model
+from tether.model.plain import KVCache, PlainSlice
 from tether.model.presets import PRESETS, ensure_preset, generate_weights, preset_path
 
 PROMPT_LENGTHS = (1, 2, 7, 16, 33, 70)
@@ -39,7 +39,8 @@ def prompt(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1000 + 31 * n + seed))
 
 
-def run(model: ModelSlice, inputs: torch.Tensor, kv: KVCache, start: int | None = None) -> torch.Tensor:
+def run(model: ModelSlice | PlainSlice, inputs: torch.Tensor, kv: PagedKV | KVCache,
+        start: int | None = None) -> torch.Tensor:
     """Feed rows for one request at its current length (or `start`) and advance its cache."""
     start = kv.length if start is None else start
     n = inputs.shape[0]
@@ -62,14 +63,12 @@ class SpyKV(KVCache):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny) -> ModelSlice:
-    """The plain kernels: contiguous per-request KV, one SDPA call per slot."""
-    m = load_slice(tiny)
-    m.batch_invariant = False
-    return m
+def plain(tiny) -> PlainSlice:
+    """The plain kernels (tether/model/plain.py): contiguous per-request KV, one SDPA call per slot."""
+    return PlainSlice(load_slice(tiny))
 
 
-def spy_kv(model: ModelSlice) -> SpyKV:
+def spy_kv(model: PlainSlice) -> SpyKV:
     return SpyKV(model.num_layers, model.cfg.num_key_value_heads, model.cfg.head_dim, model.dtype)
 
 
