@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -44,6 +44,7 @@ from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator
 log = logging.getLogger(__name__)
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+Event = tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]   # a token, with the receipt on the last
 
 
 class ConcurrencyLimit:
@@ -122,61 +123,31 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
     async def Generate(self, request: admission_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> admission_pb2.GenerateResponse:
-        arrived = time.perf_counter()
-        rt, principal = await self._enter("Generate", context)
-        a: Admitted | None = None
-        error: BaseException | None = None
-        try:
-            a = await self._admit(request, context, rt=rt, principal=principal)
-            routed = await self._route(a, context, rt)
+        async with self._handle("Generate", request, context) as (a, routed, events):
             response = admission_pb2.GenerateResponse(tags=tags_proto(a.tags, routed), seed=a.valid.sampling.seed)
             text: list[str] = []
-            async with aclosing(self._generate(request, a, routed, context, arrived, rt)) as events:
-                async for event, receipt in events:
-                    response.token_ids.append(event.token_id)
-                    text.append(event.text)
-                    if receipt is not None:
-                        response.finish_reason = event.finish_reason
-                        response.receipt.CopyFrom(receipt)
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            self._done(a)
-            if rt is not None:
-                rt.end(context, error)
+            async for event, receipt in events:
+                response.token_ids.append(event.token_id)
+                text.append(event.text)
+                if receipt is not None:
+                    response.finish_reason = event.finish_reason
+                    response.receipt.CopyFrom(receipt)
         response.text = "".join(text)
         return response
 
     async def GenerateStream(self, request: admission_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
-        arrived = time.perf_counter()
-        rt, principal = await self._enter("GenerateStream", context)
-        a: Admitted | None = None
-        error: BaseException | None = None
-        try:
-            a = await self._admit(request, context, rt=rt, principal=principal)
-            routed = await self._route(a, context, rt)
-            # aclosing: when grpc.aio cancels this handler (disconnect, deadline) while it waits to send, the
-            # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
-            async with aclosing(self._generate(request, a, routed, context, arrived, rt)) as events:
-                async for event, receipt in events:
-                    chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
-                                                        text=event.text, finish_reason=event.finish_reason)
-                    if event.index == 0:
-                        chunk.tags.CopyFrom(tags_proto(a.tags, routed))
-                        chunk.seed = a.valid.sampling.seed
-                        chunk.internal_id = a.internal_id
-                    if receipt is not None:
-                        chunk.receipt.CopyFrom(receipt)
-                    yield chunk
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            self._done(a)
-            if rt is not None:
-                rt.end(context, error)
+        async with self._handle("GenerateStream", request, context) as (a, routed, events):
+            async for event, receipt in events:
+                chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
+                                                    text=event.text, finish_reason=event.finish_reason)
+                if event.index == 0:
+                    chunk.tags.CopyFrom(tags_proto(a.tags, routed))
+                    chunk.seed = a.valid.sampling.seed
+                    chunk.internal_id = a.internal_id
+                if receipt is not None:
+                    chunk.receipt.CopyFrom(receipt)
+                yield chunk
 
     async def Tag(self, request: admission_pb2.TagRequest,
                   context: grpc.aio.ServicerContext) -> admission_pb2.TagResponse:
@@ -192,6 +163,31 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         return admission_pb2.TagResponse(tags=tags_proto(a.tags))
 
     # ---- steps ------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _handle(self, rpc: str, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                      ) -> AsyncIterator[tuple[Admitted, Routed, AsyncIterator[Event]]]:
+        """One request from arrival to its end, for Generate and GenerateStream alike: entered, admitted and
+        routed, then its (event, receipt) pairs from the coordinator for the body to pass on; on the way out,
+        however it ends, its slot and label are released and its trace ended with the error it ended with."""
+        arrived = time.perf_counter()
+        rt, principal = await self._enter(rpc, context)
+        a: Admitted | None = None
+        error: BaseException | None = None
+        try:
+            a = await self._admit(request, context, rt=rt, principal=principal)
+            routed = await self._route(a, context, rt)
+            # aclosing: when grpc.aio cancels the handler (disconnect, deadline) while it waits to send, the
+            # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
+            async with aclosing(self._generate(request, a, routed, context, arrived, rt)) as events:
+                yield a, routed, events
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._done(a)
+            if rt is not None:
+                rt.end(context, error)
 
     async def _enter(self, rpc: str, context: grpc.aio.ServicerContext,
                      ) -> "tuple[RequestTrace | None, Principal | None]":
@@ -349,7 +345,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
     async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed,
                         context: grpc.aio.ServicerContext, arrived: float, rt: "RequestTrace | None" = None,
-                        ) -> AsyncIterator[tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]]:
+                        ) -> AsyncIterator[Event]:
         """Yield the coordinator's events in order, the last one with its receipt; abort on any error.
         `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there)."""
         valid, tags, rid = a.valid, a.tags, a.internal_id
