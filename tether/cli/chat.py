@@ -13,9 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from tether import settings
-from tether.cli.generate import (DEFAULT_RETRIES, RETRIES_HELP, add_connection_flags, connection, error_text, retries,
-                                 retry_policy)
+from tether.cli.generate import (DEFAULT_RETRIES, RETRIES_HELP, add_connection_flags, add_sampling_flags, connection,
+                                 error_text, retries, retry_policy)
 
 HELP = "commands: /reset (forget the conversation, keep the system prompt), /exit (or end of input)"
 
@@ -48,12 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "conversation, history kept, replies streamed. " + HELP + ".")
     add_connection_flags(p)
     p.add_argument("--system", default="", help="system prompt, sent first with every turn")
-    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
-                   help="output budget per reply (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one per reply")
+    add_sampling_flags(p, "output budget per reply (default: %(default)s)",
+                       "sampling seed; 0 = admission picks one per reply")
     p.add_argument("--tenant", default="", help="tenant (cache namespace); with an API key leave it out: the key's "
                                                 "tenant is used")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per reply before giving up, retries "

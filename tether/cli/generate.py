@@ -61,6 +61,16 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
                    help="the private key of --tls-cert (default: $TETHER_TLS_KEY)")
 
 
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_help: str, seed_help: str) -> None:
+    """--max-tokens, --temperature, --top-k, --top-p and --seed: one reply's budget and sampling, in generate
+    and chat alike."""
+    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS, help=max_tokens_help)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def connection(args: argparse.Namespace) -> dict:
     """The Client keyword arguments of add_connection_flags' flags (None: the SDK reads the environment)."""
     return dict(api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
@@ -75,12 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", help="a user message, sent as a conversation (instead of a raw prompt)")
     p.add_argument("--system", help="a system message before --user")
     add_connection_flags(p)
-    p.add_argument("--max-tokens", type=int, default=settings.DEFAULT_MAX_TOKENS,
-                   help="output budget in tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = admission picks one")
+    add_sampling_flags(p, "output budget in tokens (default: %(default)s)", "sampling seed; 0 = admission picks one")
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     p.add_argument("--tenant", default="", help="tenant (cache namespace); with an API key leave it out: the key's "
                                                 "tenant is used, and naming another is refused")
