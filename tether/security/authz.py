@@ -113,22 +113,21 @@ def _wrap(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
     """The same handler, with `check` run first (it aborts the call when refused)."""
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary is not None:
-        inner = handler.unary_unary
-
-        async def unary_unary(request, context):
-            await check(request, context)
-            return await _result(inner(request, context))
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+        return grpc.unary_unary_rpc_method_handler(_answering(handler.unary_unary, check, unary=True), **kw)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(_streaming(handler.unary_stream, check, unary=True), **kw)
     if handler.stream_unary is not None:
-        inner = handler.stream_unary
-
-        async def stream_unary(request_iterator, context):
-            await check(None, context)
-            return await _result(inner(request_iterator, context))
-        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+        return grpc.stream_unary_rpc_method_handler(_answering(handler.stream_unary, check, unary=False), **kw)
     return grpc.stream_stream_rpc_method_handler(_streaming(handler.stream_stream, check, unary=False), **kw)
+
+
+def _answering(inner, check, unary: bool):
+    """A handler with one reply (its result, awaited if it is a coroutine), after `check` (given the request
+    when there is one request, None for a request stream, which is not read before the check)."""
+    async def handler(request_or_iterator, context):
+        await check(request_or_iterator if unary else None, context)
+        return await _result(inner(request_or_iterator, context))
+    return handler
 
 
 def _streaming(inner, check, unary: bool):

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import error_details_pb2, status_pb2
 
+from services.admission.server import retry_status_details
 from tether.cli import chat, generate
 from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
                            RetryBudget, RetryPolicy, Unavailable)
@@ -30,15 +29,6 @@ ANSWER = ("answer",)
 
 def refuse(code: grpc.StatusCode = C.RESOURCE_EXHAUSTED, retry_after: float | None = 1.5) -> tuple:
     return ("refuse", code, retry_after)
-
-
-def status_details(code: grpc.StatusCode, message: str, seconds: float) -> bytes:
-    """google.rpc.Status with RetryInfo, built as admission builds it."""
-    delay = duration_pb2.Duration()
-    delay.FromNanoseconds(int(seconds * 1e9))
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-    return status_pb2.Status(code=code.value[0], message=message, details=[detail]).SerializeToString()
 
 
 @dataclass
@@ -70,10 +60,18 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
         self.calls.append(call)
         return self.script[min(len(self.calls), len(self.script)) - 1], call
 
+    async def _begin(self, request: admission_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                     ) -> tuple[tuple, Call]:
+        """This call's scripted outcome and record, once admission's label rule let it in."""
+        outcome, call = self._next(request)
+        if not self._enter(request):
+            await context.abort(C.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        return outcome, call
+
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, retry_after: float | None):
         message = f"scripted refusal {len(self.calls)}"
         metadata = () if retry_after is None else ((STATUS_DETAILS_KEY,
-                                                    status_details(code, message, retry_after)),)
+                                                    retry_status_details(code, message, retry_after)),)
         await context.abort(code, message, metadata)
 
     def _enter(self, request: admission_pb2.GenerateRequest) -> bool:
@@ -96,9 +94,7 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
                                   prompt_digest=prompt_digest(request.prompt if digest_of is None else digest_of))
 
     async def Generate(self, request, context):
-        outcome, call = self._next(request)
-        if not self._enter(request):
-            await context.abort(C.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        outcome, call = await self._begin(request, context)
         try:
             if outcome[0] == "refuse":
                 await self._refuse(context, *outcome[1:])
@@ -110,9 +106,7 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
             self._leave(request, call)
 
     async def GenerateStream(self, request, context):
-        outcome, call = self._next(request)
-        if not self._enter(request):
-            await context.abort(C.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
+        outcome, call = await self._begin(request, context)
         try:
             if outcome[0] == "refuse":
                 await self._refuse(context, *outcome[1:])
