@@ -228,7 +228,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stats = stage_pb2.StageStats(
                 faults_injected=faults, rejections=dict(w.rejections), requests_held=len(w.state.requests),
                 kv_used_tokens=w.kv_used_tokens(), kv_capacity_tokens=w.kv_capacity_tokens,
-                stamp_checks=w.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
+                stamp_checks=w.state.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
                 replies_queued=queued, busy_seconds=w.busy_seconds, uptime_seconds=time.monotonic() - w.started,
                 steps=w.steps)
             pool = w.arena.pool
@@ -370,7 +370,7 @@ class _Relay:
     def _frame_checks(self, frame) -> StepOutcome | None:
         """Frame-level checks of the stream (sequence, pipeline epoch)."""
         w = self.svc.worker
-        seq_ok = frame.stream_seq == self.last_seq + 1 or not w.stamp_checks   # unsafe experiment: trust order
+        seq_ok = w.state.in_sequence(frame.stream_seq, self.last_seq)
         self.last_seq = max(self.last_seq, frame.stream_seq)
         if not seq_ok:
             return w.reject_all(frame, RejectReason.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")

@@ -1,8 +1,10 @@
-"""What a stage holds per request, and the per-slot checks that guard it (DESIGN.md checks 1, 2 and 4),
-including the prefix cache: a new state may start from cached blocks, each confirmed by its token ids.
+"""What a stage holds per request, and the checks that guard it (docs/PROTOCOL.md; where each is enforced:
+docs/ARCHITECTURE.md), including the prefix cache: a new state may start from cached blocks, each confirmed
+by its token ids.
 
 Pure logic: no gRPC, no model. A slot is checked before anything touches its KV; a rejected slot leaves
-the stage exactly as it was.
+the stage exactly as it was. These are the serving checks, always on; the one class without them,
+experiment only, is services/stage_worker/unchecked.py.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from tether.kv.blocks import BlockPool, block_keys, extend_by_blocks
+from tether.kv.blocks import BlockPool, NoCapacity, block_keys, extend_by_blocks
 from tether.kv.paged import PagedKV
-from tether.protocol.hashing import ContextHasher
+from tether.protocol.hashing import ContextHasher, sampling_digest
+from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
 RejectReason = stage_pb2.RejectReason
@@ -76,23 +79,47 @@ class CachedBlock:
 
 
 class StageState:
-    """All requests' state on one stage, keyed by request id."""
+    """All requests' state on one stage, keyed by request id, and the checks every frame and slot pass."""
 
-    def __init__(self, new_kv, max_context: int, checks: bool = True, pool: BlockPool | None = None,
-                 block: int = 0) -> None:
+    stamp_checks = True   # what Stats reports; False only in the experiment-only UncheckedStageState
+
+    def __init__(self, new_kv, max_context: int, pool: BlockPool | None = None, block: int = 0) -> None:
         self._new_kv = new_kv          # callable(owner: str) -> PagedKV
         self.max_context = max_context
-        # False only under --unsafe-disable-stamp-checks: an experiment that reproduces what a pipeline
-        # without stamps does (trust the frame's position, run on whatever state is there). Never a default.
-        self.checks = checks
         self.requests: dict[str, RequestState] = {}
-        # The prefix cache: the arena's block pool (None without checks: a cache is only as good as the checks
-        # that fill it).
-        self.pool = pool if checks and block else None
+        self.pool = pool if block else None   # the prefix cache: the arena's block pool
         self.block = block
 
+    # --- what a frame claims, checked before any state is looked at ------------------------------------------
+    def in_sequence(self, stream_seq: int, last_seq: int) -> bool:
+        """The frame is the next one on its stream (else BAD_SEQUENCE)."""
+        return stream_seq == last_seq + 1
+
+    def intact(self, frame: stage_pb2.Frame, key: StampKey) -> bool:
+        """The payload digest binds these activation bytes to these slots (else DIGEST_MISMATCH)."""
+        return key.frame_digest(frame.activations.data, frame.slots) == frame.payload_digest
+
+    def authentic(self, slot: stage_pb2.Slot, key: StampKey) -> bool:
+        """The stamp's MAC is the pipeline key's over this slot (else STAMP_FORGED): only the coordinator holds
+        this epoch's key."""
+        return key.verify(slot)
+
+    def sampling_matches(self, slot: stage_pb2.Slot) -> bool:
+        """The slot's sampling parameters are the ones its stamp's digest names (else BAD_FRAME)."""
+        return sampling_digest(slot.sampling) == slot.stamp.sampling_digest
+
+    def token_digest(self, slot: stage_pb2.Slot) -> int:
+        """The sampling digest a sampled token's hash binds: the stamp's (`sampling_matches` held on admission)."""
+        return slot.stamp.sampling_digest
+
+    # --- one slot against the state this stage holds ----------------------------------------------------------
     def check(self, slot: stage_pb2.Slot) -> Admitted:
-        """Run checks 1, 2 and 4 for one slot; raise Rejected, or return what to run and commit."""
+        """A well-formed slot (BAD_FRAME) that extends the state held for its request (`_admit`); raise
+        Rejected, or return what to run and commit."""
+        self._well_formed(slot)
+        return self._admit(slot)
+
+    def _well_formed(self, slot: stage_pb2.Slot) -> None:
         st = slot.stamp
         rid, n = st.request_id, len(st.token_ids)
         if not rid or n == 0:
@@ -103,8 +130,12 @@ class StageState:
         if cached and (st.position != 0 or cached >= n or not self.block or cached % self.block):
             raise Rejected(RejectReason.BAD_FRAME, f"cached_prefix {cached} must be a multiple of {self.block or 'the KV block'}"
                                         f" below the slot's {n} tokens, at position 0")
-        if not self.checks:
-            return self._admit_unchecked(slot)
+
+    def _admit(self, slot: stage_pb2.Slot) -> Admitted:
+        """The slot's stamp against the state held: STALE_EPOCH, UNKNOWN_REQUEST, POSITION_GAP, STATE_MISMATCH,
+        KV_TAG_MISMATCH, and for a cached prefix PREFIX_MISS."""
+        st, cached = slot.stamp, slot.cached_prefix
+        rid = st.request_id
         held = self.requests.get(rid)
         fresh = False
         if held is not None and st.epoch < held.epoch:
@@ -159,17 +190,13 @@ class StageState:
             raise Rejected(RejectReason.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
         return found
 
-    def _admit_unchecked(self, slot: stage_pb2.Slot) -> Admitted:
-        """No checks 1, 2, 4 (experiment only): position 0 starts over, anything else runs on whatever state
-        the stage holds for that id, fresh (zero) state when it holds none. Wrong state gives wrong tokens:
-        that is what the experiment shows."""
-        st = slot.stamp
-        held = self.requests.get(st.request_id)
-        fresh = held is None or st.position == 0
-        if fresh:
-            hasher = ContextHasher(slot.hash_seed)
-            held = RequestState(st.request_id, st.epoch, hasher, self._new_kv(st.request_id), hasher.value)
-        return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
+    def reserve(self, a: Admitted) -> None:
+        """Make room in the request's KV for the slot's rows; NO_CAPACITY (the stage as it was) if the pool cannot."""
+        try:
+            a.state.kv.ensure(a.position + len(a.token_ids))
+        except NoCapacity as e:
+            self.abandon(a)
+            raise Rejected(RejectReason.NO_CAPACITY, str(e)) from None
 
     def commit(self, a: Admitted) -> None:
         """The step ran: the KV now holds the slot's tokens; advance the chain and tag, and offer the blocks
@@ -181,8 +208,8 @@ class StageState:
             self._extend_and_register(a.state, a.token_ids)
         else:
             a.state.hasher.extend(a.token_ids)
-        # The KV holds rows 0..position+n now. With the checks on this equals the chain's length; without
-        # them (experiment) the two may differ, and the KV length is what the next step may read.
+        # The KV holds rows 0..position+n now: the chain's length (without the checks, in UncheckedStageState,
+        # the two may differ, and the KV length is what the next step may read).
         a.state.kv.length = a.position + len(a.token_ids)
         a.state.kv_tag = a.state.hasher.value
         a.state.last_used = time.monotonic()

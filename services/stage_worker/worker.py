@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from services.stage_worker.state import Admitted, Rejected, StageState
+from services.stage_worker.unchecked import UncheckedStageState
 from tether import settings
 from tether.generation import sampler
-from tether.kv.blocks import NoCapacity
 from tether.kv.paged import PagedKV
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
-from tether.protocol.hashing import sampling_digest
 from tether.protocol.stamp_key import StampKey
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2
@@ -54,6 +53,8 @@ class FrameLimits:
 
 
 class StageWorker:
+    """One stage's model slice, its KV arena and request state, and the step that checks and runs a frame."""
+
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32",
                  stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
                  stamp_key: StampKey | None = None) -> None:
@@ -62,19 +63,17 @@ class StageWorker:
         self.dtype = dtype
         self.limits = limits
         self.kv_capacity_tokens = kv_capacity_tokens   # the budget as given; the arena holds whole blocks of it
-        # stamp_checks=False is --unsafe-disable-stamp-checks: no digest, no MAC and no per-slot checks 1, 2, 4.
-        # It exists only to reproduce the wrong answers those checks prevent; never a default.
-        self.stamp_checks = stamp_checks
         # The pipeline's stamp key, set by each handshake. None until then: every slot is refused (fail closed).
         self.stamp_key = stamp_key
         # Every request's KV lives in this arena; its block pool bounds the KV and keeps the prefix cache.
         self.arena = model.new_arena(kv_capacity_tokens)
-        self.state = StageState(self._new_kv, model.cfg.max_position_embeddings,
-                                checks=stamp_checks, pool=self.arena.pool, block=self.block_tokens)
+        # stamp_checks=False is --unsafe-disable-stamp-checks, decided here once: the experiment-only state class
+        # without the checks (services/stage_worker/unchecked.py). Never a default.
+        state = StageState if stamp_checks else UncheckedStageState
+        self.state = state(self._new_kv, model.cfg.max_position_embeddings, self.arena.pool, self.block_tokens)
         self.started = time.monotonic()
         self.busy_seconds = 0.0                     # wall time in steps that ran slots
         self.steps = 0
-        self.slots_rejected = 0
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
         self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
 
@@ -90,7 +89,6 @@ class StageWorker:
         return self.arena.used_blocks * self.arena.block
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
-        self.slots_rejected += 1
         self.rejections[RejectReason.Name(reason)] += 1
         return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False, reason=reason, detail=detail,
                                     stage_index=self.index)
@@ -99,7 +97,8 @@ class StageWorker:
         return StepOutcome([self.reject(s, reason, detail) for s in frame.slots])
 
     def process(self, frame: stage_pb2.Frame) -> StepOutcome:
-        """Check 3 (digest, tensor) for the frame, checks 1, 2, 4 per slot, then run what passed."""
+        """The frame's checks (BAD_FRAME limits, STAMP_FORGED without a key, DIGEST_MISMATCH, BAD_TENSOR), then
+        each slot's (`_admit_slots`), then run what passed."""
         if not frame.slots:
             return self._process(frame)
         t0 = time.perf_counter()
@@ -126,7 +125,7 @@ class StageWorker:
         key = self.stamp_key
         if key is None:
             return self.reject_all(frame, RejectReason.STAMP_FORGED, "no stamp key: this stage has not been handshaken")
-        if self.stamp_checks and frame_digest(frame, key) != frame.payload_digest:
+        if not self.state.intact(frame, key):
             return self.reject_all(frame, RejectReason.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
             if self.model.has_head:
@@ -167,15 +166,16 @@ class StageWorker:
         return out
 
     def _admit_slots(self, frame: stage_pb2.Frame, key: StampKey, admitted: list, out: StepOutcome) -> None:
-        """The stamp's MAC, then checks 1, 2, 4 per slot; append what passed to `admitted` (with its first
-        row), reject the rest."""
+        """Per slot: its MAC (STAMP_FORGED), BAD_FRAME (a request twice, a token outside the vocabulary, sampling
+        parameters that are not its stamp's), its stamp against the state held (StageState.check) and room in
+        the KV (NO_CAPACITY); append what passed to `admitted` (with its first row), reject the rest."""
         seen: set[str] = set()
         vocab = self.model.cfg.vocab_size
         row = 0
         for slot in frame.slots:
             n = len(slot.stamp.token_ids)
             try:
-                if self.stamp_checks and not key.verify(slot):
+                if not self.state.authentic(slot, key):
                     # first, before anything reads the claim: only the coordinator holds this epoch's key
                     raise Rejected(RejectReason.STAMP_FORGED, "the stamp's MAC is not the pipeline key's over this slot")
                 if slot.stamp.request_id in seen:
@@ -185,20 +185,10 @@ class StageWorker:
                     # hashes can be consistent over any ids: this stage must not index its embedding with them
                     raise Rejected(RejectReason.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
                                                 f"of {vocab}")
-                if (self.model.has_head and slot.sample and self.stamp_checks
-                        and sampling_digest(slot.sampling) != slot.stamp.sampling_digest):
+                if self.model.has_head and slot.sample and not self.state.sampling_matches(slot):
                     raise Rejected(RejectReason.BAD_FRAME, "the slot's sampling parameters do not match its stamp")
                 a = self.state.check(slot)
-                try:
-                    a.state.kv.ensure(a.position + n)
-                except NoCapacity as e:
-                    self.state.abandon(a)
-                    raise Rejected(RejectReason.NO_CAPACITY, str(e)) from None
-                if a.position > a.state.kv.length:
-                    # Only without the checks: a slot may start past what the stage holds, and the rows in
-                    # between must read as zeros (wrong state, as in a pipeline without stamps), never as
-                    # whatever an earlier failed step left there.
-                    a.state.kv.zero(a.state.kv.length, a.position)
+                self.state.reserve(a)
                 admitted.append((slot, a, row))
             except Rejected as e:
                 out.results.append(self.reject(slot, e.reason, e.detail))
@@ -237,11 +227,9 @@ class StageWorker:
                     token = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
                 res.token_id = token
                 # committed chain + the token, bound (keyed) to the request id, epoch, position and the
-                # parameters actually used (the stamp's digest was checked against them on admission; without
-                # checks it is computed here)
-                digest = slot.stamp.sampling_digest if self.stamp_checks else sampling_digest(slot.sampling)
-                res.token_hash = key.token_mac(a.state.hasher.peek([token]), slot.stamp.request_id,
-                                               slot.stamp.epoch, a.position + len(a.token_ids), digest, token)
+                # parameters actually used
+                res.token_hash = key.token_mac(a.state.hasher.peek([token]), slot.stamp.request_id, slot.stamp.epoch,
+                                               a.position + len(a.token_ids), self.state.token_digest(slot), token)
                 k += 1
             results.append(res)
         return results

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from services.stage_worker.state import Rejected, StageState
+from services.stage_worker.unchecked import UncheckedStageState
 from services.stage_worker.worker import StageWorker, frame_digest
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.loader import load_slice, resolve_model
@@ -133,9 +134,9 @@ def slot_for(draw, oracle: Oracle) -> stage_pb2.Slot:
 
 
 class Stage:
-    def __init__(self) -> None:
+    def __init__(self, state: type[StageState] = StageState) -> None:
         self.arena = BlockArena(2, 1, 4, torch.float32, 4, 100_000 // 4)
-        self.state = StageState(lambda owner: PagedKV(self.arena, owner), MAX_CONTEXT)
+        self.state = state(lambda owner: PagedKV(self.arena, owner), MAX_CONTEXT)
 
     def snapshot(self):
         return self.arena.used_blocks, {
@@ -195,8 +196,7 @@ def test_check_accepts_exactly_the_consistent_slots_and_rejection_changes_nothin
     max_size=20))
 def test_unchecked_mode_admits_without_raising_on_anything_within_the_window(slots):
     """--unsafe-disable-stamp-checks: no stamp check, but still only well-formed slots, and no exception."""
-    stage = Stage()
-    stage.state.checks = False
+    stage = Stage(UncheckedStageState)
     for slot in slots:
         s = slot.stamp
         well_formed = bool(s.request_id) and len(s.token_ids) > 0 and s.position + len(s.token_ids) <= MAX_CONTEXT
