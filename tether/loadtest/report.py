@@ -1,7 +1,8 @@
 """Report writers: report.json (everything, for machines), requests.jsonl (one line per request), report.md
 (for people) and PNG plots when matplotlib is importable (the report says so when it is not).
 
-The report is a plain dict built by the CLI; its shape is documented in docs/PERFORMANCE.md.
+The writers read the report as report.json has it: the dict cli.py assembles from the typed records of
+tether/loadtest/results.py (their `to_json`); its shape is documented in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
