@@ -16,16 +16,26 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tether import telemetry
 from tether.procutil import follow_parent
 from tether.security import tls
 from tether.telemetry import logs, metrics, tracing
+
+
+def add_flags(parser: argparse.ArgumentParser, *, public: bool = False, log_levels: list[str] | None = None) -> None:
+    """The flags `run` reads, declared alike on every service: --log-level (restricted to `log_levels` when
+    given), telemetry's (--metrics-port, --log-format, --otlp-endpoint) and TLS's (`public`: admission's port,
+    which any client may reach)."""
+    parser.add_argument("--log-level", default="INFO", choices=log_levels, help="logging level (default: %(default)s)")
+    telemetry.add_flags(parser)
+    tls.add_flags(parser, public=public)
 
 
 def run(name: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
         serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], *, experiments: bool = True,
         fatal: tuple[type[BaseException], ...] = (OSError, ValueError)) -> None:
     """Start service `name` ("stage", "coordinator", "admission": its log and trace name) from its parsed
-    `args` and run `serve(args)` to its end. With `experiments`, the parser has tether.faults' experiment
+    `args` (a parser with `add_flags`) and run `serve(args)` to its end. With `experiments`, the parser has tether.faults' experiment
     flags and `args.fault_config` is set from them; `args.tls` is always set (None: plaintext). A bad flag
     value is a usage error (exit 2); an error of a type in `fatal` out of `serve` (a port in use, a missing
     model folder) ends the process with one line, `tether NAME: error`, instead of a traceback."""

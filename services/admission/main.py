@@ -14,10 +14,9 @@ from services.admission.pipelines import Pipelines, parse_coordinators
 from services.admission.routing import POLICIES
 from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
 from services.admission.validate import ModelLimits
-from tether import service_main, settings, supervise, telemetry
+from tether import service_main, settings, supervise
 from tether.argtypes import positive_int
 from tether.grpcutil import Server
-from tether.security import tls
 from tether.telemetry import logs, metrics
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import admission_pb2, admission_pb2_grpc
@@ -67,10 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the call ends with "
                         "DEADLINE_EXCEEDED (default: %(default)s)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="logging level (default: %(default)s)")
-    telemetry.add_flags(p)
-    tls.add_flags(p, public=True)
+    service_main.add_flags(p, public=True, log_levels=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--reflection", action="store_true",
                    help="serve gRPC server reflection on this public port (off by default: it lists every method to "
                         "anyone; the internal services keep it for operators' tools)")

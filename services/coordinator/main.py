@@ -9,11 +9,11 @@ import logging
 from services.coordinator.driver import Driver
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
-from tether import grpcutil, service_main, settings, supervise, telemetry
+from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig
 from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
-from tether.security import authz, tls
+from tether.security import authz
 from tether.telemetry import logs, metrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -56,9 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never start a request from the stages' prefix cache: every prompt is prefilled whole (for "
                         "comparisons; the stages still cache, and the KV accounting is unchanged)")
     add_experiment_flags(p, "the frames this coordinator sends")
-    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
-    telemetry.add_flags(p)
-    tls.add_flags(p)
+    service_main.add_flags(p)
     p.epilog = ("With TLS (mutual), Submit, Session, Cancel and Watch are taken from admission only and Stats from "
                 "an operator certificate (or admission); other callers get PERMISSION_DENIED. Its calls to the "
                 "stages present --tls-cert (the coordinator identity), which is what they accept handshakes from.")

@@ -10,11 +10,11 @@ import torch
 
 from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import FrameLimits, StageWorker
-from tether import grpcutil, service_main, settings, supervise, telemetry
+from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig, parse_layers
 from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
-from tether.security import authz, tls
+from tether.security import authz
 from tether.telemetry import logs, metrics
 
 log = logging.getLogger("stage")
@@ -58,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close a Forward stream with no frame in and no reply out for this long "
                         "(default: %(default)s)")
     add_experiment_flags(p, "this stage's traffic (the frames it forwards, the replies it answers)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
-    telemetry.add_flags(p)
-    tls.add_flags(p)
+    service_main.add_flags(p)
     p.epilog = ("With TLS (mutual), Handshake is taken from the coordinator (stage 0) or a stage (relayed), Forward "
                 "only from the peer of the handshake accepted last, SyncState and Release from the coordinator, "
                 "Stats from the coordinator or an operator certificate; other callers get PERMISSION_DENIED.")

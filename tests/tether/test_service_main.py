@@ -4,16 +4,13 @@ import argparse
 
 import pytest
 
-from tether import service_main, telemetry
+from tether import service_main
 from tether.faults import add_experiment_flags
-from tether.security import tls
 
 
 def _parser(experiments: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether x")
-    p.add_argument("--log-level", default="INFO")
-    telemetry.add_flags(p)
-    tls.add_flags(p)
+    service_main.add_flags(p)
     if experiments:
         add_experiment_flags(p, "this test's frames")
     return p
@@ -75,3 +72,14 @@ def test_a_bad_fault_spec_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         service_main.run("stage", p, p.parse_args(["--faults", "nonsense=1"]), serve)
     assert e.value.code == 2 and "--faults" in capsys.readouterr().err
+
+
+def test_add_flags_declares_what_run_reads_with_optional_log_levels(capsys):
+    p = argparse.ArgumentParser(prog="x")
+    service_main.add_flags(p, public=True, log_levels=["INFO", "DEBUG"])
+    args = p.parse_args([])
+    assert (args.log_level, args.log_format, args.otlp_endpoint) == ("INFO", "text", None)
+    assert hasattr(args, "tls_client_auth")          # the public port's extra TLS flag
+    with pytest.raises(SystemExit):
+        p.parse_args(["--log-level", "debug"])
+    assert "invalid choice" in capsys.readouterr().err
