@@ -6,6 +6,7 @@ from __future__ import annotations
 from services.coordinator.scheduler import Request, Scheduler, start_class
 from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
+from tether.mathutil import ceil_div
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params
@@ -90,7 +91,7 @@ def test_a_long_budget_holds_its_whole_kv_from_the_start():
     s.add(long)
     s.add(short)
     run_steps(s, 1)
-    assert len(s.ledger.held["long"]) == -(-(8 + 300 - 1) // 4)    # prompt + budget - 1 positions
+    assert len(s.ledger.held["long"]) == ceil_div(8 + 300 - 1, 4)    # prompt + budget - 1 positions
     assert len(s.ledger.held["short"]) == 2                         # just its prompt, grown as it decodes
 
 
