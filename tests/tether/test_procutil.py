@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from tests.helpers import alive
+
 CHILD = ("from tether.procutil import follow_parent; follow_parent(); print('ready', flush=True); "
          "import time; time.sleep(120)")
 LAUNCHER = f"""
@@ -20,23 +22,15 @@ child.wait()
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_child_dies_when_its_launcher_is_killed():
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
     child = int(launcher.stdout.readline())      # printed once the child has asked to die with it
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
     deadline = time.monotonic() + 15
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(child), "the service outlived its launcher"
+    assert not alive(child), "the service outlived its launcher"
 
 
 def test_a_service_whose_launcher_is_already_gone_exits():

@@ -1,14 +1,7 @@
 """The circuit breaker's state machine, on an injected clock."""
 
 from services.admission.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.helpers import Clock
 
 
 def test_opens_after_failures_in_a_row_only():

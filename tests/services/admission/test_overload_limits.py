@@ -6,14 +6,7 @@ import pytest
 
 from services.admission.limits import (TenantLimit, TenantLimits, TokenBucket, shed_by_deadline,
                                        shed_by_priority)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.helpers import Clock
 
 
 def test_bucket_refills_at_its_rate_up_to_its_burst():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -11,21 +10,9 @@ import sys
 import time
 
 from tether.cli.cluster import free_port
+from tests.helpers import alive
 
 TETHER = [sys.executable, "-m", "tether.cli.main"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes; /proc tells the state
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_up_generate_and_clean_stop():
@@ -57,6 +44,6 @@ def test_up_generate_and_clean_stop():
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "a child outlived tether up"
+    assert not any(alive(p) for p in pids), "a child outlived tether up"

@@ -23,6 +23,7 @@ from tether import reference, settings
 from tether.cli.cluster import free_port
 from tether.cli.up import build_parser
 from tether.client import AsyncClient, Client, TetherError
+from tests.helpers import alive
 
 TETHER = [sys.executable, "-m", "tether.cli.main"]
 EXPLICIT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED}
@@ -38,18 +39,6 @@ CASES = [dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     "把这句话翻译成英文：今天天气很好。",
     "A" * 200,
 ]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _bindable(port: int) -> bool:
@@ -149,9 +138,9 @@ def _wait_serving(target: str, timeout: float) -> None:
 
 def _assert_no_child_left(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "a child outlived tether up"
+    assert not [p for p in pids if alive(p)], "a child outlived tether up"
 
 
 async def _stream_and_kill(target: str, pid: int) -> tuple[list, list[int], float | None]:
@@ -206,7 +195,7 @@ def test_sigkilled_stage_is_restarted_and_in_flight_requests_complete_exactly(tm
                               f"(crash 1 of {settings.SUPERVISE_MAX_RESTARTS} in "
                               f"{settings.SUPERVISE_WINDOW_S:g} s)"), 10)
         new = int(up.wait_for(r"stage1 restarted \(pid (\d+)\)", 10).group(1))
-        assert new != old and _alive(new)
+        assert new != old and alive(new)
 
         exact, failed = 0, []
         for case, got in zip(CASES, results):

@@ -8,16 +8,9 @@ import pytest
 
 from tether.client.errors import ResourceExhausted, TetherError, Unavailable
 from tether.client.retry import NEVER_RETRIED, RETRYABLE_CODES, Retrier, RetryBudget, RetryPolicy, make_retrier
+from tests.helpers import Clock
 
 C = grpc.StatusCode
-
-
-class Clock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # ---- which failures ---------------------------------------------------------------------------------------------
@@ -136,7 +129,8 @@ def test_a_zero_budget_allows_no_retry():
 
 def test_under_a_total_outage_retries_stay_a_fraction_of_requests():
     """A fleet's worth of requests, every attempt refused: retries <= burst + ratio * requests, not 2x requests."""
-    retrier = Retrier(RetryPolicy(max_attempts=3, budget_ratio=0.1, budget_burst=5), clock=Clock(), rand=lambda: 0.0)
+    retrier = Retrier(RetryPolicy(max_attempts=3, budget_ratio=0.1, budget_burst=5), clock=Clock(100.0),
+                      rand=lambda: 0.0)
     retries = 0
     for _ in range(1000):
         run = retrier.begin(None)
@@ -166,7 +160,7 @@ def test_a_run_counts_attempts_gives_each_the_time_left_and_annotates_the_error(
 
 
 def test_a_run_without_budget_gives_up_and_says_so():
-    retrier = Retrier(RetryPolicy(budget_ratio=0.0, budget_burst=0.0), clock=Clock(), rand=lambda: 0.0)
+    retrier = Retrier(RetryPolicy(budget_ratio=0.0, budget_burst=0.0), clock=Clock(100.0), rand=lambda: 0.0)
     run = retrier.begin(None)
     run.attempt_timeout()
     error = Unavailable("down", C.UNAVAILABLE)
@@ -174,7 +168,7 @@ def test_a_run_without_budget_gives_up_and_says_so():
 
 
 def test_a_refused_retry_spends_no_budget():
-    retrier = Retrier(RetryPolicy(budget_ratio=0.0, budget_burst=1.0), clock=Clock(), rand=lambda: 0.0)
+    retrier = Retrier(RetryPolicy(budget_ratio=0.0, budget_burst=1.0), clock=Clock(100.0), rand=lambda: 0.0)
     run = retrier.begin(None)
     run.attempt_timeout()
     assert run.after_failure(TetherError("bad", C.INVALID_ARGUMENT)) is None
