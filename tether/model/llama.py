@@ -11,7 +11,6 @@ measures this against are tether/model/plain.py, which serving never imports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Protocol
 
 import torch
