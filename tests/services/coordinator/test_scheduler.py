@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +9,7 @@ from hypothesis import strategies as st
 from services.coordinator.scheduler import Request, Scheduler
 from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
+from tether.mathutil import ceil_div
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import context_hash, hash_seed
 from tether.reference import sampling_params
@@ -47,11 +46,11 @@ def test_micro_batches_take_an_even_share(stages, active, max_slots):
     sched = Scheduler(num_stages=stages, max_slots=max_slots, max_tokens=10_000)
     for i in range(active):
         sched.add(req(f"r{i}"))
-    share = min(max_slots, max(1, math.ceil(active / stages)))
+    share = min(max_slots, max(1, ceil_div(active, stages)))
     batches = []
     while b := sched.next_batch():
         batches.append(b)
-    assert len(batches) == min(stages, math.ceil(active / share))   # S frames in flight when load allows
+    assert len(batches) == min(stages, ceil_div(active, share))   # S frames in flight when load allows
     assert all(len(b) == share for b in batches[:-1]) and 0 < len(batches[-1]) <= share
     assert sched.frames_in_flight == len(batches) <= stages
     seen = [r.id for b in batches for r in b]
@@ -297,7 +296,7 @@ def test_first_batch_respects_slots_and_budget(prompt_lens, stages, max_slots, m
     for i, n in enumerate(prompt_lens):
         sched.add(req(f"r{i}", prompt_len=n))
     b = sched.next_batch()
-    share = min(max_slots, max(1, math.ceil(len(prompt_lens) / stages)))
+    share = min(max_slots, max(1, ceil_div(len(prompt_lens), stages)))
     assert 1 <= len(b) <= share
     assert len(b) == 1 or sum(len(r.sent.token_ids) for r in b) <= max_tokens
     assert ids(b) == [f"r{i}" for i in range(len(b))]       # FIFO within one priority
