@@ -157,13 +157,20 @@ def test_a_preempted_request_waits_for_its_release_then_recomputes_its_whole_con
     assert b.sent.epoch == 2 and not b.preempted
 
 
-def test_one_preemption_at_a_time_and_the_room_goes_to_whoever_needed_it():
+def critical_and_sheddable_in_two_blocks() -> tuple[Scheduler, Request, Request]:
+    """A pool of two blocks holding a critical and a sheddable request, each past its first frame: the next
+    decode of either needs a third block."""
     s = sched_with(capacity=2)
     hi = req("hi", prompt=4, max_tokens=4, priority="critical")
     lo = req("lo", prompt=4, max_tokens=4, priority="sheddable")
     s.add(hi)
     s.add(lo)
     complete(s, s.next_batch())
+    return s, hi, lo
+
+
+def test_one_preemption_at_a_time_and_the_room_goes_to_whoever_needed_it():
+    s, hi, lo = critical_and_sheddable_in_two_blocks()
     assert s.next_batch() == [] and s.preempted == [lo] and not hi.preempted   # hi waits for lo's Release
     assert s.next_batch() == [] and s.figures.preemptions == 1                 # and no one else is preempted
     s.released(lo.id)
@@ -171,12 +178,7 @@ def test_one_preemption_at_a_time_and_the_room_goes_to_whoever_needed_it():
 
 
 def test_a_request_preempts_itself_when_everyone_else_outranks_it():
-    s = sched_with(capacity=2)
-    hi = req("hi", prompt=4, max_tokens=4, priority="critical")
-    lo = req("lo", prompt=4, max_tokens=4, priority="sheddable")
-    s.add(hi)
-    s.add(lo)
-    complete(s, s.next_batch())
+    s, hi, lo = critical_and_sheddable_in_two_blocks()
     hi.in_flight = True                            # hi's next frame is out: lo can only preempt itself
     s.running.pop("hi")
     s.running["hi"] = hi                           # lo is first in running order now
