@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from google.protobuf.message import DecodeError
 
+from services.stage_worker.relay import DONE, Relay
 from services.stage_worker.worker import StageTraces, StageWorker, StepOutcome
 from tether import grpcutil, settings
-from tether.faults import FaultInjector, OutboundFaults, crash
+from tether.faults import FaultInjector, crash
 from tether.security import identity
 from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
@@ -35,8 +35,6 @@ from tether.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 RejectReason = stage_pb2.RejectReason
-_DONE = object()
-_OUT_BUFFER = 64   # replies queued per stream before the stream stops reading frames (backpressure)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -62,7 +60,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.open_streams = 0
         self.streams_by_peer: Counter[str] = Counter()   # peer address (host) -> Forward streams open
         self.coordinator_instance: str | None = None
-        self.relays: set[_Relay] = set()                  # one per open Forward stream
+        self.relays: set[Relay] = set()                  # one per open Forward stream
         self.faults = _StageFaults(faults) if faults is not None and faults.enabled else None
         self.pipeline_epoch: int | None = None
         self.next_address: str | None = None
@@ -176,13 +174,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                                 f"{peer} (limit {self.max_streams_per_peer} per peer, advertised at handshake)")
         self.open_streams += 1
         self.streams_by_peer[peer] += 1
-        relay = _Relay(self, context, asyncio.current_task())
+        relay = Relay(self, context, asyncio.current_task())
         self.relays.add(relay)
         tasks = [asyncio.create_task(relay.pump(request_iterator)), asyncio.create_task(relay.watch_idle())]
         try:
             while True:
                 item = await relay.out.get()
-                if item is _DONE:
+                if item is DONE:
                     return
                 try:
                     await context.write(item)
@@ -288,144 +286,3 @@ class _StageFaults:
 
     def reply(self, reply: stage_pb2.FrameReply) -> stage_pb2.FrameReply:
         return self.injector.reply(reply)
-
-
-class _Relay:
-    """One upstream stream: check and run frames in order, forward downstream, merge replies back up."""
-
-    def __init__(self, svc: StageServicer, context, handler: asyncio.Task) -> None:
-        self.svc = svc
-        self.context = context
-        self.handler = handler          # the Forward handler's task (cancelled when the stream fails)
-        self.out: asyncio.Queue = asyncio.Queue(maxsize=_OUT_BUFFER)
-        self.last_seq = 0
-        self.down_seq = 0
-        # downstream seq -> (upstream seq, own results); bounded: a frame the next stage never answers is
-        # forgotten once RELAY_PENDING_MAX newer ones wait (the coordinator times it out on its own)
-        self.pending: OrderedDict[int, tuple[int, list]] = OrderedDict()
-        self.down_call = None
-        self.down_reader: asyncio.Task | None = None
-        self.write_lock = asyncio.Lock()                  # the pump and a reorder flush both write downstream
-        self.faulty: OutboundFaults | None = None        # the injector on this stream's downstream, when on
-        self.failed = False
-        self.last_activity = asyncio.get_running_loop().time()
-
-    def touch(self) -> None:
-        self.last_activity = asyncio.get_running_loop().time()
-
-    async def fail(self, code: grpc.StatusCode, details: str) -> None:
-        """End the upstream stream with a status, from whichever task noticed; the handler is cancelled so it
-        stops waiting (it may be blocked on a client that no longer reads)."""
-        if self.failed:
-            return
-        self.failed = True
-        try:
-            await self.context.abort(code, details)
-        except Exception:   # abort() raises to unwind its caller; here the caller is not the handler
-            pass
-        self.handler.cancel()
-
-    async def watch_idle(self) -> None:
-        """Close the stream once nothing has come in or gone out for stream_idle_s (a client that opened a
-        stream and went quiet must not hold a stream slot and its relay forever)."""
-        idle_s = self.svc.stream_idle_s
-        loop = asyncio.get_running_loop()
-        while (left := self.last_activity + idle_s - loop.time()) > 0:
-            await asyncio.sleep(left)
-        await self.fail(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"{self.svc.who}: Forward stream idle for {idle_s:g} s (no frame in, no reply out): closed")
-
-    async def pump(self, request_iterator) -> None:
-        loop = asyncio.get_running_loop()
-        faults = self.svc.faults
-        try:
-            async for frame in request_iterator:
-                self.touch()
-                if faults is not None:
-                    faults.on_arrival()
-                outcome = self._frame_checks(frame)
-                if outcome is None:
-                    forget = faults.forget(frame) if faults is not None else None
-                    outcome = await loop.run_in_executor(self.svc.executor, self.svc.step, frame, forget)
-                await self._route(frame.stream_seq, outcome)
-            if self.down_call is not None:
-                if self.faulty is not None:
-                    await self.faulty.drain()
-                await self.down_call.done_writing()
-                await self.down_reader
-            await self.out.put(_DONE)
-        except asyncio.CancelledError:
-            raise
-        except DecodeError as e:   # grpc.aio hands the handler the parse error of an undecodable message
-            await self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"{self.svc.who}: malformed Frame: {e}")
-        except grpc.aio.AioRpcError as e:
-            await self.fail(grpc.StatusCode.UNAVAILABLE,
-                            f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}")
-        except Exception as e:  # a bug or a torch error: fail the stream loudly rather than answer wrongly
-            if self.failed:
-                return   # the stream was already ended (idle, downstream): its read or write fails now
-            log.exception("stage step failed")
-            await self.fail(grpc.StatusCode.UNAVAILABLE, f"stage {self.svc.worker.index} failed: {e}")
-
-    def _frame_checks(self, frame) -> StepOutcome | None:
-        """Frame-level checks of the stream (sequence, pipeline epoch)."""
-        w = self.svc.worker
-        seq_ok = w.state.in_sequence(frame.stream_seq, self.last_seq)
-        self.last_seq = max(self.last_seq, frame.stream_seq)
-        if not seq_ok:
-            return w.reject_all(frame, RejectReason.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")
-        if frame.pipeline_epoch != self.svc.pipeline_epoch:
-            return w.reject_all(frame, RejectReason.STALE_EPOCH, "frame of another pipeline epoch")
-        return None
-
-    async def _route(self, seq: int, outcome: StepOutcome) -> None:
-        if outcome.forward is None:
-            reply = stage_pb2.FrameReply(stream_seq=seq, results=outcome.results)
-            await self.out.put(self.svc.faults.reply(reply) if self.svc.faults is not None else reply)
-            return
-        if self.down_call is None:
-            if self.svc.next_channel is None:
-                raise RuntimeError("no next stage configured")
-            self.down_call = stage_pb2_grpc.StageStub(self.svc.next_channel).Forward()
-            self.down_reader = asyncio.create_task(self._read_down(self.down_call))
-        self.down_seq += 1
-        outcome.forward.stream_seq = self.down_seq   # before any fault: a duplicate or reorder shows in the seq
-        self.pending[self.down_seq] = (seq, outcome.results)
-        while len(self.pending) > settings.RELAY_PENDING_MAX:
-            self.pending.popitem(last=False)
-        if self.svc.faults is not None:
-            if self.faulty is None:
-                self.faulty = OutboundFaults(self.svc.faults.injector, self.write_down)
-            await self.faulty.send(outcome.forward)
-        else:
-            await self.write_down(outcome.forward)
-
-    async def write_down(self, frame: stage_pb2.Frame) -> None:
-        async with self.write_lock:
-            await self.down_call.write(frame)
-
-    async def _read_down(self, call) -> None:
-        try:
-            async for reply in call:
-                up_seq, own = self.pending.pop(reply.stream_seq, (None, None))
-                if up_seq is None:
-                    continue  # a reply to nothing we sent: drop it, the coordinator times the frame out
-                await self.out.put(stage_pb2.FrameReply(stream_seq=up_seq, results=[*own, *reply.results]))
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.pending and call is self.down_call:
-                # The next stage closed our stream for idleness while nothing was in flight: not a failure,
-                # open a fresh one (from stream_seq 1) when the next frame comes.
-                self.down_call, self.down_reader, self.down_seq = None, None, 0
-                return
-            await self.fail(grpc.StatusCode.UNAVAILABLE,
-                            f"next stage {self.svc.next_address} failed: {e.code().name} {e.details()}")
-
-    async def close(self) -> None:
-        if self.faulty is not None:
-            self.faulty.close()
-        if self.down_reader is not None:
-            self.down_reader.cancel()
-        if self.down_call is not None:
-            self.down_call.cancel()
