@@ -180,7 +180,7 @@ def _slot(text: str) -> tuple[str, int, int]:
 
 
 def read_ledger(log_dir: Path) -> dict[tuple[str, int, int], dict]:
-    """Every fault the injectors logged (tether/faults.py `FaultLedger`) in the service logs under `log_dir`:
+    """Every fault the injectors logged (tether/faults/ledger.py `FaultLedger`) in the service logs under `log_dir`:
     (service, life, number) -> {kind, hook, slots: {(request_id, epoch, position): "open" | "caught" |
     "slipped"}, harmless}. `life` counts the service's restarts (a crashed stage's injector starts again at 1)."""
     faults: dict[tuple[str, int, int], dict] = {}

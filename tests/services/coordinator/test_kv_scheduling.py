@@ -9,7 +9,7 @@ from services.coordinator.scheduler import Request, Scheduler
 from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
 from tether.kv.blocks import BlockPool, block_keys
-from tether.kv.cache import NoCapacity
+from tether.kv.blocks import NoCapacity
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params

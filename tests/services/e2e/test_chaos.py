@@ -1,7 +1,7 @@
 """Chaos on loopback: whatever the injector does to frames between the services, no client receives a token
 computed from the wrong state. Every response equals its solo reference or fails with an explicit status, a
 stated share of them completes exactly, and every harmful fault injected is caught before the coordinator
-appends the faulted slot's token: the injectors' ledger (tether/faults.py, in the services' logs) follows
+appends the faulted slot's token: the injectors' ledger (tether/faults/ledger.py, in the services' logs) follows
 each faulted slot to the request's next frame, which must be a rebuild or a resend, never the next position."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ CASES = [dict(prompt=p, max_tokens=mt, **extra) for p, mt, extra in [
 
 @dataclass
 class Ledger:
-    """The injectors' ledger (tether/faults.py) from every service log: each fault, its slots and their fate."""
+    """The injectors' ledger (tether/faults/ledger.py) from every service log: each fault, its slots and their fate."""
 
     faults: dict = field(default_factory=dict)        # (service, life, number) -> fault (tether.loadtest.chaos)
     rebuilds: Counter = field(default_factory=Counter)  # request id -> rebuilds the coordinator logged
