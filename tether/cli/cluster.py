@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,27 @@ from tether.procutil import PARENT_ENV
 from tether.security import certs, tls as tls_config
 from tether.model.config import ModelConfig, even_split
 from tether.model.loader import resolve_model
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_serving(channel: grpc.Channel, timeout: float, before_each: Callable[[], None] | None = None) -> bool:
+    """Poll the gRPC health (grpc.health.v1, the whole server) over `channel` until it says SERVING (True) or
+    `timeout` seconds pass (False). `before_each` runs before every check: it raises to stop waiting (e.g. a
+    process that should answer has exited)."""
+    deadline = time.monotonic() + timeout
+    stub = health_pb2_grpc.HealthStub(channel)
+    while time.monotonic() < deadline:
+        if before_each is not None:
+            before_each()
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    return False
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -184,19 +206,14 @@ class LocalCluster:
     def wait_ready(self, timeout: float, name: str = "admission") -> None:
         """Block until the service reports SERVING (for admission: the whole pipeline is up)."""
         svc = self.service(name)
-        deadline = time.monotonic() + timeout
+
+        def none_exited() -> None:
+            for s in self.services:
+                if s.proc is not None and s.proc.poll() is not None:
+                    raise RuntimeError(f"{s.name} exited with {s.proc.returncode} during start-up\n{s.log_tail()}")
         with self.channel(name) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline:
-                for s in self.services:
-                    if s.proc is not None and s.proc.poll() is not None:
-                        raise RuntimeError(f"{s.name} exited with {s.proc.returncode} during start-up\n{s.log_tail()}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
+            if wait_serving(ch, timeout, before_each=none_exited):
+                return
         raise TimeoutError(f"{name} at {svc.address} not SERVING after {timeout:.0f}s\n{svc.log_tail()}")
 
     def channel(self, name: str, cert: str | None = "operator") -> grpc.Channel:

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import reference, settings
-from tether.cli.cluster import free_port
+from tether.cli.cluster import free_port, wait_serving
 from tether.cli.up import build_parser
 from tether.client import AsyncClient, Client, TetherError
 from tests.helpers import alive
@@ -122,18 +121,9 @@ class Launcher:
 
 
 def _wait_serving(target: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    pytest.fail(f"{target} not SERVING after {timeout:.0f} s")
+        if not wait_serving(ch, timeout):
+            pytest.fail(f"{target} not SERVING after {timeout:.0f} s")
 
 
 def _assert_no_child_left(pids: list[int]) -> None:
