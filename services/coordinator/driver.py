@@ -31,26 +31,18 @@ from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.request_spans import RequestSpans
 from services.coordinator.scheduler import Request, Scheduler
+from services.coordinator.verdict import Verdict, describe_held, held_everywhere, judge
 from tether import settings
 from tether.generation.sequence import TokenOut
 from tether.telemetry import tracing
 from tether.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
-RejectReason = stage_pb2.RejectReason
 RELEASE_ATTEMPTS = 3    # a Release that fails is retried this often; past that the stages' leases free it
 
 
 class DuplicateRequest(Exception):
     """A request id that is already active: ids key every piece of state, so they must be unique."""
-
-
-def reason_name(reason: int) -> str:
-    """A RejectReason's name; a value this build does not know (a newer or hostile peer) still gets one."""
-    try:
-        return RejectReason.Name(reason)
-    except ValueError:
-        return f"UNKNOWN_REASON_{reason}"
 
 
 @dataclass
@@ -383,42 +375,36 @@ class Driver:
             req.in_flight = False
             self._queue_release(req.id)
             return
-        if res is None:
-            self._rebuild(req, "FRAME_LOST", "no result for the slot")
-        elif not self._echo_ok(req, res):
-            self._rebuild(req, "ECHO_MISMATCH", "echoed stamp differs from the stamp sent")
-        elif not res.ok and res.reason == RejectReason.PREFIX_MISS and req.cached:
-            self._prefix_miss(req, f"stage {res.stage_index}: {res.detail}")
-        elif not res.ok:
-            self._rebuild(req, reason_name(res.reason), f"stage {res.stage_index}: {res.detail}")
-        elif not req.samples:
-            if res.has_token:
-                self._rebuild(req, "ECHO_MISMATCH", "a token came back for a prefill chunk")
-            else:
-                self.sched.confirmed(req)   # a prefill chunk landed on every stage; the next chunk follows
-        elif not res.has_token:
-            self._rebuild(req, "ECHO_MISMATCH", "last stage returned no token")
-        elif not self._token_ok(req, res):
-            self._rebuild(req, "TOKEN_HASH_MISMATCH", "the token does not extend the chain it was sampled from")
-        else:
+        j = judge(req, res, self._echo_ok, self._token_ok)
+        if j.verdict is Verdict.REBUILD:
+            self._rebuild(req, j.reason, j.detail)
+        elif j.verdict is Verdict.PREFIX_MISS:
+            self._prefix_miss(req, j.detail)
+        elif j.verdict is Verdict.CONFIRM:
             self.sched.confirmed(req)
-            out: TokenOut = req.seq.append(res.token_id)
-            self.counters.tokens += 1
-            q = self.sinks.get(req.id)
-            if q is not None:
-                q.put_nowait(out)
-            if self.traces:
-                spans = self.traces.get(req.id)
-                if spans is not None:
-                    if spans.phase_name != "decode":   # the first token (or the first after a rebuild)
-                        spans.next_phase("decode")
-                    if out.finish_reason:
-                        spans.finished(out.finish_reason)
-            if out.finish_reason:
-                self.counters.finished += 1
-                if req.recoveries:
-                    self.counters.recovered += 1
-                self._finish(req, None)
+        else:
+            self._append(req, res.token_id)
+
+    def _append(self, req: Request, token_id: int) -> None:
+        """A proven token: the request's context grows by it, and its client hears of it."""
+        self.sched.confirmed(req)
+        out: TokenOut = req.seq.append(token_id)
+        self.counters.tokens += 1
+        q = self.sinks.get(req.id)
+        if q is not None:
+            q.put_nowait(out)
+        if self.traces:
+            spans = self.traces.get(req.id)
+            if spans is not None:
+                if spans.phase_name != "decode":   # the first token (or the first after a rebuild)
+                    spans.next_phase("decode")
+                if out.finish_reason:
+                    spans.finished(out.finish_reason)
+        if out.finish_reason:
+            self.counters.finished += 1
+            if req.recoveries:
+                self.counters.recovered += 1
+            self._finish(req, None)
 
     @staticmethod
     def _echo_matches(req: Request, res: stage_pb2.SlotResult) -> bool:
@@ -480,8 +466,7 @@ class Driver:
         held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
         for req in reqs:
             states = [h.get(req.id) for h in held]
-            if all(s is not None and s.held and s.epoch == req.epoch and s.length == req.fed
-                   and s.context_hash == req.fed_hash.value for s in states):
+            if held_everywhere(req, states):
                 req.in_flight = False
                 req.sent = None
                 if req.recoveries >= self.max_rebuilds:
@@ -494,10 +479,8 @@ class Driver:
                     self._trace_event(req, "resume", "STATE_HELD", f"every stage holds {req.fed} tokens at "
                                                                    f"epoch {req.epoch}: continuing from there")
             else:
-                why = ", ".join(f"stage {i}: " + ("nothing" if s is None or not s.held else
-                                                  f"epoch {s.epoch} length {s.length}")
-                                for i, s in enumerate(states))
-                self._rebuild(req, "STATE_LOST", f"stages hold {why}; coordinator has {req.fed} tokens")
+                self._rebuild(req, "STATE_LOST", f"stages hold {describe_held(states)}; coordinator has "
+                                                 f"{req.fed} tokens")
         self.wake.set()
 
     async def _watchdog(self) -> None:
