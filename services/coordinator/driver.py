@@ -29,6 +29,7 @@ from services.coordinator.health import PipelineHealth
 from services.coordinator.inflight import FramesInFlight
 from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
+from services.coordinator.releases import ReleaseQueue
 from services.coordinator.request_spans import RequestSpans
 from services.coordinator.scheduler import Request, Scheduler
 from services.coordinator.verdict import Verdict, describe_held, held_everywhere, judge
@@ -38,7 +39,6 @@ from tether.telemetry import tracing
 from tether.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
-RELEASE_ATTEMPTS = 3    # a Release that fails is retried this often; past that the stages' leases free it
 
 
 class DuplicateRequest(Exception):
@@ -90,8 +90,7 @@ class Driver:
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames = FramesInFlight()
-        self.to_release: list[str] = []
-        self.release_attempts: dict[str, int] = {}   # request id -> failed Release attempts so far
+        self.releases = ReleaseQueue()
         self.wake = asyncio.Event()
         self.health = PipelineHealth(on_serving, self._spawn)
         self.counters = Counters()
@@ -168,7 +167,7 @@ class Driver:
         """Free a request's state on every stage (soon, from the feed loop); the ledger counts its blocks held
         until every stage has answered."""
         self.sched.ledger.release_begin(request_id)
-        self.to_release.append(request_id)
+        self.releases.add(request_id)
 
     # --- the loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -229,7 +228,7 @@ class Driver:
                     self._queue_release(req.id)
         self.sched.frames_lost()
         self.health.recovered()
-        ids, self.to_release = self.to_release, []
+        ids = self.releases.take()
         if ids:
             try:
                 await self.pipeline.release(ids)
@@ -280,9 +279,8 @@ class Driver:
                     await self.pipeline.send(frame)
                 continue
             self.wake.clear()
-            if self.to_release:
-                ids, self.to_release = self.to_release, []
-                self._spawn(self._release(ids))
+            if self.releases:
+                self._spawn(self._release(self.releases.take()))
             while batch := self.sched.next_batch():
                 self._after_schedule()
                 slots = [stage_pb2.Slot(stamp=r.sent, sampling=r.seq.sampling, sample=r.samples,
@@ -294,9 +292,8 @@ class Driver:
                 self.on_batch(batch)
                 await self.pipeline.send(frame)
             self._after_schedule()
-            if self.to_release:
-                ids, self.to_release = self.to_release, []
-                self._spawn(self._release(ids))
+            if self.releases:
+                self._spawn(self._release(self.releases.take()))
 
     def _trace_frame(self, batch: list[Request], slots: list[stage_pb2.Slot]) -> None:
         """Tracing on: each traced request's slot carries its span's traceparent (for the stages) and its
@@ -328,7 +325,7 @@ class Driver:
             if self.traces:
                 self._trace_event(req, "preempted", "KV_BLOCKS", "KV blocks are needed by an older or "
                                                                  "higher-priority request; recomputed later")
-            self.to_release.append(req.id)     # its blocks are already `releasing` in the ledger
+            self.releases.add(req.id)     # its blocks are already `releasing` in the ledger
         s.preempted.clear()
         for req in s.impossible:
             self._finish(req, Failure(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -338,20 +335,13 @@ class Driver:
 
     async def _release(self, ids: list[str]) -> None:
         """Release on every stage; ids a stage failed to release are queued again, a few times at most."""
-        failed = await self.pipeline.release(ids)
-        for rid in ids:
-            if rid not in failed:
-                self.release_attempts.pop(rid, None)
-                self.sched.released(rid)
-                continue
-            attempts = self.release_attempts.get(rid, 0) + 1
-            if attempts < RELEASE_ATTEMPTS:
-                self.release_attempts[rid] = attempts
-                self.to_release.append(rid)
-            else:
-                self.release_attempts.pop(rid, None)
-                self.sched.released(rid)   # the stages' leases free it; the ledger cannot wait that long
-                log.warning("release of %s failed %d times; the stages' lease will free it", rid, attempts)
+        freed, given_up = self.releases.answered(ids, await self.pipeline.release(ids))
+        for rid in freed:
+            self.sched.released(rid)
+        for rid in given_up:
+            self.sched.released(rid)   # the stages' leases free it; the ledger cannot wait that long
+            log.warning("release of %s failed %d times; the stages' lease will free it", rid,
+                        self.releases.max_attempts)
         self.wake.set()                    # freed blocks may let waiting requests start
 
     async def _receive(self) -> None:
