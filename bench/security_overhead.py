@@ -34,7 +34,7 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metrics_overhead import bench, together  # noqa: E402 - the same `tether bench` level, the same checks
+from side_by_side import add_level_flags, bench, together  # noqa: E402
 from services.admission.auth import key_digest  # noqa: E402
 from tether.cli.cluster import LocalCluster, free_port  # noqa: E402
 
@@ -82,14 +82,7 @@ class TreeCluster:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="the model both clusters serve (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=2, help="stages per cluster (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per stage (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="simultaneous pairs (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=8, help="closed-loop users (default: %(default)s)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per run (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens (default: %(default)s)")
+    add_level_flags(p, "simultaneous pairs")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="a checkout (with its protos generated) whose `tether up` is the plaintext side")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
