@@ -96,7 +96,7 @@ RELAY_PENDING_MAX = 1024      # frames a stage remembers waiting for downstream 
 # Supervised loops (tether/supervise.py): an unexpected error restarts the loop after this pause.
 LOOP_RESTART_S = 1.0
 
-# Fault injection (tether/faults.py): off unless a spec is given by --faults or this environment variable.
+# Fault injection (tether/faults/): off unless a spec is given by --faults or this environment variable.
 FAULTS_ENV = "TETHER_FAULTS"
 
 # Supervision (`tether up`): a child that dies is restarted with the same command and ports after an

@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
                              interceptors=[guard] if args.tls is not None else ())
     address = f"{args.host}:{server.port}"
     faults = FaultInjector(args.fault_config)
-    servicer = StageServicer(worker, fingerprint, address, kv_capacity, args.lease, faults=faults,
+    servicer = StageServicer(worker, fingerprint, address, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
                              max_streams_per_peer=args.max_streams_per_peer, tls=args.tls)
     guard.state = servicer   # Forward is allowed from servicer.handshake_peer

@@ -38,9 +38,7 @@ RejectReason = stage_pb2.RejectReason
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    # kv_capacity is unused: the handshake and Stats read the worker's budget. The argument goes once its callers
-    # (services/stage_worker/main.py, tests/tether/security/test_handshake_disclosure.py) stop passing it.
-    def __init__(self, worker: StageWorker, fingerprint: str, address: str, kv_capacity: int,
+    def __init__(self, worker: StageWorker, fingerprint: str, address: str,
                  lease_s: float = settings.KV_LEASE_S, faults: FaultInjector | None = None,
                  stream_idle_s: float = settings.STREAM_IDLE_S,
                  max_streams: int = settings.MAX_FORWARD_STREAMS,

@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from tether.kv.blocks import BlockPool
+from tether.mathutil import ceil_div
 
 UNBOUNDED_BLOCKS = 1 << 40   # a reference model's arena (no stage pool): grows as far as memory lets it
 
@@ -137,7 +138,7 @@ class PagedKV:
 
     def ensure(self, total: int) -> None:
         """Make room for `total` positions (NoCapacity when the pool cannot)."""
-        need = -(-total // self.arena.block) - len(self.blocks)
+        need = ceil_div(total, self.arena.block) - len(self.blocks)
         if need > 0:
             self.blocks += self.arena.allocate(need, self.serial)
             self.tags += [self.serial] * need

@@ -24,6 +24,7 @@ import torch
 from tether import reference
 from tether.generation.inprocess import InProcessEngine
 from tether.generation.sequence import Sequence
+from tether.mathutil import ceil_div
 from tether.v1 import common_pb2
 
 
@@ -116,7 +117,7 @@ def run_hf_continuous(hf, jobs: Seq[Job], batch_size: int, pad_id: int, eos_ids:
     budget = max(j.params.max_tokens for j in jobs)
     cfg = GenerationConfig(max_new_tokens=budget, do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     page = ContinuousBatchingConfig().page_size
-    cache = ContinuousBatchingConfig(num_blocks=sum(-(-(len(j.prompt_ids) + budget) // page) for j in jobs) + 1)
+    cache = ContinuousBatchingConfig(num_blocks=sum(ceil_div(len(j.prompt_ids) + budget, page) for j in jobs) + 1)
     with torch.inference_mode():
         hf.generate_batch(inputs=[jobs[0].prompt_ids], generation_config=GenerationConfig(
             max_new_tokens=2, do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=pad_id),

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tether import reference, settings
-from tether.argtypes import positive_int as _positive_int
+from tether.argtypes import positive_int
 from tether.loadtest import capacity, chaos, cluster_stats, loadgen, report, stats
 from tether.loadtest.options import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, BenchOptions, Credentials
 from tether.loadtest.results import LevelResult
@@ -113,32 +113,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tiny, small, base: kernel benchmarks) or a Hugging Face folder. The "
                         "bench tokenizes with it, audits and runs baselines on it, and checks it against the "
                         "fingerprint in the answers' receipts (default: %(default)s)")
-    g.add_argument("--stages", type=_positive_int, default=2,
+    g.add_argument("--stages", type=positive_int, default=2,
                    help="stage workers: with --spawn, how many to start (layers split evenly); against --target, "
                         "how many the running cluster has (recorded in the report) (default: %(default)s)")
-    g.add_argument("--pipelines", type=_positive_int, default=1,
+    g.add_argument("--pipelines", type=positive_int, default=1,
                    help="with --spawn: independent pipelines (stages + coordinator each) behind the one admission; "
                         "the engine figures are read from the first pipeline (default: %(default)s)")
     g.add_argument("--route-policy", choices=settings.ROUTE_POLICIES, default=None,
                    help="with --spawn: admission's routing policy across pipelines (default: admission's, "
                         f"{settings.ROUTE_POLICY})")
-    g.add_argument("--threads", type=_positive_int, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per stage: with --spawn, what each stage gets; against --target, what the "
                         "running stages have (default: cores divided among the stages, as `tether up` does)")
     g = p.add_argument_group("load (one of; default: --concurrency %d)" % DEFAULT_CONCURRENCY)
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=_positive_float, metavar="QPS",
                       help="open loop: Poisson arrivals at this many requests per second, whatever the latency")
-    mode.add_argument("--concurrency", type=_positive_int, metavar="N",
+    mode.add_argument("--concurrency", type=positive_int, metavar="N",
                       help="closed loop: N users, each sending its next request when its previous one ends")
     mode.add_argument("--sweep", type=_rates, metavar="QPS,QPS,...",
                       help="open loop at each rate in turn (one load level each), e.g. 1,2,4,8")
     g = p.add_argument_group("length of each load level (one of; default: --num-requests %d)" % DEFAULT_NUM_REQUESTS)
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--num-requests", type=_positive_int, metavar="N", help="send N requests per level")
+    size.add_argument("--num-requests", type=positive_int, metavar="N", help="send N requests per level")
     size.add_argument("--duration", type=_positive_float, metavar="SECONDS",
                       help="send for this long per level, then wait for the requests in flight")
-    g.add_argument("--warmup", type=_positive_int, default=4, metavar="N",
+    g.add_argument("--warmup", type=positive_int, default=4, metavar="N",
                    help="requests sent before the first level and left out of every figure; their receipts "
                         "also tell which model the cluster serves (default: %(default)s)")
     g.add_argument("--timeout", type=_positive_float, default=120.0, metavar="SECONDS",
@@ -150,15 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="workload seed: the same seed sends the same requests, and every level the same sequence "
                         "(default: %(default)s)")
-    g.add_argument("--input-len", type=_positive_int, default=SyntheticSpec.input_len, metavar="TOKENS",
+    g.add_argument("--input-len", type=positive_int, default=SyntheticSpec.input_len, metavar="TOKENS",
                    help="synthetic: mean prompt length (default: %(default)s)")
-    g.add_argument("--output-len", type=_positive_int, default=SyntheticSpec.output_len, metavar="TOKENS",
+    g.add_argument("--output-len", type=positive_int, default=SyntheticSpec.output_len, metavar="TOKENS",
                    help="synthetic: mean output length; EOS is ignored so it is exact (default: %(default)s)")
     g.add_argument("--range-ratio", type=float, default=SyntheticSpec.range_ratio, metavar="R",
                    help="synthetic: lengths are uniform in [L*(1-R), L*(1+R)] (default: %(default)s)")
     g.add_argument("--long-tokens", default=f"{LongSpec.min_tokens}:{LongSpec.max_tokens}", metavar="MIN:MAX",
                    help="long: context length range in prompt tokens (default: %(default)s)")
-    g.add_argument("--doc-tokens", type=_positive_int, default=SharedDocSpec.tokens, metavar="TOKENS",
+    g.add_argument("--doc-tokens", type=positive_int, default=SharedDocSpec.tokens, metavar="TOKENS",
                    help="shared-doc: length of the shared passage in prompt tokens, question included "
                         "(default: %(default)s)")
     g = p.add_argument_group("what to measure")
@@ -176,15 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--baselines", action="store_true",
                    help="also measure, on the same requests: tether at concurrency = --batch-size, the raw "
                         "in-process engine, and transformers generate with static batching; report ratios")
-    g.add_argument("--baseline-requests", type=_positive_int, default=32, metavar="N",
+    g.add_argument("--baseline-requests", type=positive_int, default=32, metavar="N",
                    help="requests in the baseline set (default: %(default)s)")
-    g.add_argument("--batch-size", type=_positive_int, default=settings.MAX_BATCH_SLOTS, metavar="N",
+    g.add_argument("--batch-size", type=positive_int, default=settings.MAX_BATCH_SLOTS, metavar="N",
                    help="baseline batch size, and the served side's concurrency (default: the coordinator's "
                         "micro-batch cap, %(default)s)")
-    g.add_argument("--baseline-threads", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--baseline-threads", type=positive_int, default=None, metavar="N",
                    help="torch threads of the in-process baselines (default: what one stage process gets, "
                         "--threads or cores divided among --stages)")
-    g.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                    help="baseline runs per side, interleaved; the report gives medians (default: %(default)s)")
     g = p.add_argument_group(
         "chaos (fault injection; see docs/PERFORMANCE.md)",
@@ -227,11 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --spawn: run the levels twice on fresh clusters, first with --no-prefix-cache, then "
                         "with the cache, the same requests in both, and report TTFT p50 with ÷ without and the "
                         "hit rate side by side")
-    g.add_argument("--compare-repeats", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--compare-repeats", type=positive_int, default=1, metavar="N",
                    help="--compare-prefix-cache: run each level N times per side, alternating which side goes "
                         "first; repeat k > 1 sends a fresh request sequence (so the cache is not warmed by the "
                         "previous repeat's identical requests); the summary gives medians (default: %(default)s)")
-    g.add_argument("--stage-kv-tokens", type=_positive_int, metavar="TOKENS",
+    g.add_argument("--stage-kv-tokens", type=positive_int, metavar="TOKENS",
                    help="with --spawn: each stage's KV pool in tokens (the stages' --kv-capacity; default: "
                         "theirs), to put the cluster under KV pressure")
     g.add_argument("--pids", type=_pids, default={}, metavar="NAME=PID,...",

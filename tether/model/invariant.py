@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tether.mathutil import ceil_div
+
 # torch's thread count is process-wide: while one invariant forward runs on fewer threads, another must not
 # start (it would pad for the lowered count and run on the restored one).
 _THREADS_LOCK = threading.Lock()
@@ -33,7 +35,7 @@ _THREADS_LOCK = threading.Lock()
 def padded_rows(rows: int, threads: int | None = None) -> int:
     """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads."""
     unit = 4 * (threads or torch.get_num_threads())
-    return max(unit, -(-rows // unit) * unit)
+    return max(unit, ceil_div(rows, unit) * unit)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -44,7 +46,7 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def threads_for(rows: int, threads: int | None = None) -> int:
     """Threads worth using for `rows`: at most one per 4-row unit (every choice gives the same bits)."""
-    return max(1, min(threads or torch.get_num_threads(), -(-rows // 4)))
+    return max(1, min(threads or torch.get_num_threads(), ceil_div(rows, 4)))
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.kv.paged import BlockArena, PagedKV, long_tensor
+from tether.mathutil import ceil_div
 from tether.model.invariant import padded_rows
 
 # Masked scores: below any real score, so a masked key never wins a row max; finite, so a row or block with
@@ -114,7 +115,7 @@ class TileBatch:
         offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
         pair_tile, blocks, tags, first_pos = [], [], [], []
         for n, t in enumerate(tiles):   # plain ints: a step's plan is mostly Python, keep it lean
-            seen = -(-(t.position + count) // block)
+            seen = ceil_div(t.position + count, block)
             if len(t.kv.blocks) < seen:
                 raise RuntimeError("a tile's keys are past its KV blocks (ensure() was not called)")
             pair_tile += [n] * seen
@@ -167,7 +168,7 @@ class AttentionPlan:
             unit = kv_heads * max(padded_rows(heads // kv_heads * count), head_dim) * block
             start = size = 0
             for n, t in enumerate(tiles):
-                pairs = -(-(t.position + count) // block)
+                pairs = ceil_div(t.position + count, block)
                 if n > start and size + pairs * unit > BATCH_ELEMENTS:
                     batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena))
                     start, size = n, 0

@@ -21,7 +21,7 @@ def folder():
 
 def servicer(folder, start: int, end: int) -> StageServicer:
     worker = StageWorker(load_slice(folder, start, end), 0, 1024, stamp_key=KEY)
-    return StageServicer(worker, model_fingerprint(folder), "127.0.0.1:1", 1024)
+    return StageServicer(worker, model_fingerprint(folder), "127.0.0.1:1")
 
 
 def request(folder, index: int, stages: int, prev_end: int, **over) -> stage_pb2.HandshakeRequest:

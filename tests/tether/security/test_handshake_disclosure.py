@@ -27,8 +27,7 @@ class _Context:
 @pytest.fixture(scope="module")
 def stage():
     folder = resolve_model("tiny")
-    return StageServicer(StageWorker(load_slice(folder, 0, 2), 0, 1024), model_fingerprint(folder),
-                         "127.0.0.1:1", 1024)
+    return StageServicer(StageWorker(load_slice(folder, 0, 2), 0, 1024), model_fingerprint(folder), "127.0.0.1:1")
 
 
 def _refused(stage, context):
