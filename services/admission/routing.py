@@ -1,4 +1,4 @@
-"""Which pipeline serves a request (pure logic: no gRPC, no asyncio; docs/ARCHITECTURE.md "Routing").
+"""Which pipeline serves a request (pure logic: no gRPC, no asyncio; docs/ARCHITECTURE.md "Routing and overload").
 
 In the spirit of the Gateway API Inference Extension's endpoint picker: *filter* the pipelines that can take
 the request at all, *score* the rest with pluggable scorers, *pick* the best. The inputs are each pipeline's

@@ -48,7 +48,8 @@ Event = tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]   # a token
 
 
 class ConcurrencyLimit:
-    """A non-blocking cap: a request over it is refused at once, never queued (DESIGN.md: "never a hang")."""
+    """A non-blocking cap: a request over it is refused at once, never queued, never a hang (docs/PROTOCOL.md
+    "Limits, lifetimes and supervision")."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

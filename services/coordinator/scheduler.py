@@ -132,7 +132,7 @@ class Request:
 
 @dataclass
 class EngineFigures:
-    """What the scheduler counts for Stats (docs/ARCHITECTURE.md "KV-aware scheduling")."""
+    """What the scheduler counts for Stats (docs/ARCHITECTURE.md "KV-aware scheduling and the prefix cache")."""
 
     preemptions: int = 0
     prefix_queries: int = 0
