@@ -12,7 +12,7 @@ from services.coordinator.driver import DuplicateRequest, Driver, Failure
 from services.coordinator.load import LoadWatch
 from services.coordinator.pipeline import PipelineDown
 from services.coordinator.scheduler import Request
-from tether.generation.sequence import Sequence
+from tether.generation.sequence import Sequence, TokenOut
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
 from tether import settings
@@ -24,6 +24,13 @@ from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 log = logging.getLogger(__name__)
 # A TokenEvents message stays far under the 1 MiB both ends accept (settings.COORDINATOR_MAX_MESSAGE_BYTES).
 _BATCH_BYTES = 256 * 1024
+
+
+def token_event(out: TokenOut, request_id: str = "") -> coordinator_pb2.TokenEvent:
+    """A token the driver appended, as the wire sends it to admission (the request id only on a Session,
+    where one stream carries every request)."""
+    return coordinator_pb2.TokenEvent(request_id=request_id, index=out.index, token_id=out.token_id, text=out.text,
+                                      finish_reason=out.finish_reason, context_hash=out.context_hash)
 
 
 class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
@@ -93,8 +100,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
                     finished = True
                     failed = ev.code.name
                     await context.abort(ev.code, ev.message)
-                yield coordinator_pb2.TokenEvent(index=ev.index, token_id=ev.token_id, text=ev.text,
-                                                 finish_reason=ev.finish_reason, context_hash=ev.context_hash)
+                yield token_event(ev)
                 if ev.finish_reason:
                     finished = True
                     return
@@ -205,9 +211,7 @@ class _Session:
                     failed = ev.code.name
                     self._fail(rid, ev.code, ev.message)
                     return
-                self._emit(coordinator_pb2.TokenEvent(request_id=rid, index=ev.index, token_id=ev.token_id,
-                                                      text=ev.text, finish_reason=ev.finish_reason,
-                                                      context_hash=ev.context_hash))
+                self._emit(token_event(ev, rid))
                 if ev.finish_reason:
                     finished = True
                     return
