@@ -35,7 +35,7 @@ class Pipeline:
         self.stamp_key = StampKey.generate()   # replaced at every handshake; only stages of that handshake know it
         self.stages: list[stage_pb2.StageInfo] = []
         self.call = None
-        self.seq = 0
+        self.stream_seq = 0
         self.faults = faults or FaultInjector()    # off unless configured: the chaos experiments' hook
         # Stages free what an earlier coordinator process left behind when they see a new instance.
         self.instance = secrets.token_hex(8)
@@ -72,15 +72,15 @@ class Pipeline:
             raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
         if not reply.ok:
             raise PipelineDown(f"pipeline refused: {reply.error}")
-        self.epoch, self.stages, self.seq, self.stamp_key = epoch, list(reply.stages), 0, key
+        self.epoch, self.stages, self.stream_seq, self.stamp_key = epoch, list(reply.stages), 0, key
         self.call = stub.Forward()
 
     def frame(self, slots: list[stage_pb2.Slot]) -> stage_pb2.Frame:
         """The stream's next frame, numbered, its stamps signed (before any fault injection: a faulted stamp
         must not be re-signed). Note its stream_seq before sending it: the reply may be read first."""
-        self.seq += 1
+        self.stream_seq += 1
         self.stamp_key.sign(slots)
-        return stage_pb2.Frame(stream_seq=self.seq, pipeline_epoch=self.epoch, slots=slots,
+        return stage_pb2.Frame(stream_seq=self.stream_seq, pipeline_epoch=self.epoch, slots=slots,
                                payload_digest=self.stamp_key.frame_digest(b"", slots))
 
     async def send(self, frame: stage_pb2.Frame) -> None:

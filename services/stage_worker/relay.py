@@ -114,11 +114,11 @@ class Relay:
             return w.reject_all(frame, RejectReason.STALE_EPOCH, "frame of another pipeline epoch")
         return None
 
-    async def _route(self, seq: int, outcome: StepOutcome) -> None:
+    async def _route(self, up_seq: int, outcome: StepOutcome) -> None:
         if outcome.forward is not None:
-            await self.down.send(seq, outcome.results, outcome.forward)
+            await self.down.send(up_seq, outcome.results, outcome.forward)
             return
-        reply = stage_pb2.FrameReply(stream_seq=seq, results=outcome.results)
+        reply = stage_pb2.FrameReply(stream_seq=up_seq, results=outcome.results)
         await self.out.put(self.svc.faults.reply(reply) if self.svc.faults is not None else reply)
 
     async def close(self) -> None:

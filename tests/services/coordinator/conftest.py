@@ -27,7 +27,7 @@ class FakePipeline:
 
     def __init__(self, answer) -> None:
         self.answer = answer          # (connection number, slots) -> FrameReply | Exception | None
-        self.seq = 0
+        self.stream_seq = 0
         self.connects = 0
         self.released: list[str] = []
         self.replies_q: asyncio.Queue = asyncio.Queue()
@@ -44,8 +44,8 @@ class FakePipeline:
         return 0, 0
 
     def frame(self, slots) -> stage_pb2.Frame:
-        self.seq += 1
-        return stage_pb2.Frame(stream_seq=self.seq, slots=slots)
+        self.stream_seq += 1
+        return stage_pb2.Frame(stream_seq=self.stream_seq, slots=slots)
 
     async def send(self, frame: stage_pb2.Frame) -> None:
         if frame.slots:

@@ -33,7 +33,7 @@ def test_an_unexpected_error_fails_requests_explicitly_frees_state_and_the_loop_
         await kit.until(lambda: pipe.connects == 2 and driver.serving)
         # served again: a new request is accepted and framed on the new connection
         driver.submit(kit.request("r2"))
-        await kit.until(lambda: pipe.seq >= 2)
+        await kit.until(lambda: pipe.stream_seq >= 2)
         task.cancel()
         return failure, pipe, driver
 
@@ -80,7 +80,7 @@ def test_a_request_cancelled_with_its_frame_in_flight_is_released_when_the_loop_
         task = supervise.start("driver", driver.run, driver.crashed, restart_s=0)
         await kit.until(lambda: driver.serving)
         driver.submit(kit.request("r1"))
-        await kit.until(lambda: pipe.seq >= 1)
+        await kit.until(lambda: pipe.stream_seq >= 1)
         assert driver.cancel("r1")                    # its frame is still in flight: nothing released yet
         assert "r1" not in pipe.released
         driver.submit(kit.request("r2"))              # its frame's reply crashes the loop
