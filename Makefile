@@ -38,7 +38,7 @@ run: setup  ## start the local cluster on the default model (SmolLM2-135M-Instru
 # once): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
 # TEST_WORKERS=0 runs everything in this process (a debugger, or -x on the first failure).
 TEST_WORKERS ?= 2
-test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (~13 min on 2 cores)
+test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (~13 min on 2 cores; the longest files first)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # On the default model (SmolLM2-135M), 2 stages: this machine's 2 cores saturate near 0.3 req/s, so the sweep stays low.

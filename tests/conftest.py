@@ -23,3 +23,23 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
+
+
+# The longest files, started first: under `make test` (pytest-xdist, a whole file per worker) a long file
+# collected last keeps one worker busy while the other has finished (measured: `--durations`).
+SLOW_FILES_FIRST = (
+    "tests/services/e2e/test_chaos.py",
+    "tests/tether/loadtest/test_chaos_bench.py",
+    "tests/tether/loadtest/test_bench_e2e.py",
+    "tests/services/e2e/test_errors.py",
+    "tests/tether/cli/test_up_supervise.py",
+    "tests/services/e2e/test_leases.py",
+    "tests/services/e2e/test_no_leaks.py",
+    "tests/tether/model/test_smollm2.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))   # stable
