@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import threading
 import urllib.request
@@ -27,7 +26,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP threads starve the other processes
 
-from side_by_side import add_level_flags, bench, together  # noqa: E402
+from side_by_side import add_level_flags, bench, summarize, together  # noqa: E402
 from tether.cli.cluster import LocalCluster  # noqa: E402 - after the environment is set
 
 class Scraper(threading.Thread):
@@ -92,11 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         on.stop()
         off.stop()
-    ratios = [x["ratio"] for x in pairs]
-    summary = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios),
-                   pairs=pairs, args={k: str(v) for k, v in vars(args).items()})
-    print(f"metrics on / off, output tokens/s: median {summary['median_ratio']:.3f} "
-          f"(min {summary['min_ratio']:.3f}, max {summary['max_ratio']:.3f}) over {len(ratios)} pairs", flush=True)
+    summary = summarize("metrics on / off", pairs, args)
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
 

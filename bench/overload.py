@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import tempfile
 import time
 from pathlib import Path

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import add_level_flags, bench, together  # noqa: E402
+from side_by_side import add_level_flags, bench, summarize, together  # noqa: E402
 from services.admission.auth import key_digest  # noqa: E402
 from tether.cli.cluster import LocalCluster, free_port  # noqa: E402
 
@@ -112,12 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         secure.stop()
         plain.stop()
-    ratios = [x["ratio"] for x in pairs]
-    summary = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios),
-                   pairs=pairs, args={k: str(v) for k, v in vars(args).items()})
     what = "TLS + API keys + keyed stamps" if args.baseline_tree else "TLS + API keys"
-    print(f"{what}: secure / plaintext output tokens/s: median {summary['median_ratio']:.3f} "
-          f"(min {summary['min_ratio']:.3f}, max {summary['max_ratio']:.3f}) over {len(ratios)} pairs", flush=True)
+    summary = summarize(f"{what}: secure / plaintext", pairs, args)
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
 

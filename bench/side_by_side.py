@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -54,3 +55,14 @@ def together(runs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
         t.join()
     assert set(result) == set(runs), "a bench run failed (its error is above)"
     return result
+
+
+def summarize(what: str, pairs: list[dict], args: argparse.Namespace, **extra) -> dict:
+    """The figure of a side-by-side run: the median (min, max) of the pairs' `ratio`, printed as one line
+    beginning with `what`; the JSON summary with the pairs, `extra` and the arguments."""
+    ratios = [x["ratio"] for x in pairs]
+    summary = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios), **extra,
+                   pairs=pairs, args={k: str(v) for k, v in vars(args).items()})
+    print(f"{what}, output tokens/s: median {summary['median_ratio']:.3f} (min {summary['min_ratio']:.3f}, "
+          f"max {summary['max_ratio']:.3f}) over {len(ratios)} pairs", flush=True)
+    return summary

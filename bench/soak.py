@@ -28,7 +28,7 @@ from bench.soak_load import CANCELLED, CLASSES, EXACT, REFUSED, LoadSpec, Tally,
 from bench.soak_pool import Combo, build_pool
 from bench.soak_report import failures, summary
 from bench.soak_watch import RssSampler, service_state, wait_drained
-from tether import reference, settings
+from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 

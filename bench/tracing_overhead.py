@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from side_by_side import add_level_flags, bench, together  # noqa: E402
+from side_by_side import add_level_flags, bench, summarize, together  # noqa: E402
 from tether.cli.cluster import LocalCluster  # noqa: E402 - after the environment is set
 
 _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -95,13 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         off.stop()
         receiver.server.stop(grace=None)
     assert receiver.requests, "the traced cluster exported nothing: is tracing on?"
-    ratios = [x["ratio"] for x in pairs]
-    summary = dict(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios),
-                   exports=receiver.requests, export_bytes=receiver.bytes, pairs=pairs,
-                   args={k: str(v) for k, v in vars(args).items()})
-    print(f"tracing on / off, output tokens/s: median {summary['median_ratio']:.3f} "
-          f"(min {summary['min_ratio']:.3f}, max {summary['max_ratio']:.3f}) over {len(ratios)} pairs; "
-          f"{receiver.requests} exports, {receiver.bytes / 2**20:.1f} MiB", flush=True)
+    summary = summarize("tracing on / off", pairs, args, exports=receiver.requests, export_bytes=receiver.bytes)
+    print(f"{receiver.requests} exports, {receiver.bytes / 2**20:.1f} MiB", flush=True)
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
 
