@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from services.stage_worker.worker import StageWorker, frame_digest
+from services.stage_worker.worker import StageWorker
 from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol import tensors

@@ -3,7 +3,6 @@ comparison, the flags a spawned cluster gets, the shared-doc workload and the re
 
 from __future__ import annotations
 
-import io
 import os
 
 import pytest
