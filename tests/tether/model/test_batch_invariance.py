@@ -11,6 +11,7 @@ from tether.model.config import even_split
 from tether.model.invariant import padded_rows
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
+from tests.helpers import run_chunks
 
 VOCAB = 256
 
@@ -29,21 +30,6 @@ def full(folder):
 def splits(folder, full):
     n = full.cfg.num_hidden_layers
     return {s: [load_slice(folder, a, b) for a, b in even_split(n, s)] for s in (1, 2, 3, 4)}
-
-
-def run_chunks(slices, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits at every position of one request, fed through `slices` chunk by chunk."""
-    kvs = [s.new_kv() for s in slices]
-    out, pos = [], 0
-    for c in chunks:
-        x = torch.tensor(ids[pos:pos + c])
-        for s, kv in zip(slices, kvs):
-            kv.ensure(pos + c)
-            x = s(x, [SlotRows(kv, pos, c)])
-            kv.length = pos + c
-        out.append(slices[-1].logits(x))
-        pos += c
-    return torch.cat(out)
 
 
 def chunking(draw, n: int) -> list[int]:
@@ -116,14 +102,6 @@ def test_neighbours_and_threads_do_not_change_a_bit(full, case, threads):
 
 
 # --- the torch kernels the tiles rely on (a torch upgrade that breaks one fails here, by name) -----------------
-
-
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows,inner,cols", [(4, 32, 64), (8, 64, 64), (128, 32, 64), (8, 64, 32), (128, 64, 64)])

@@ -19,14 +19,6 @@ SHAPES = [(256, 256), (256, 128), (256, 688), (688, 256), (256, 272),
           (576, 576), (576, 192), (576, 1536), (1536, 576)]
 
 
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def test_threads_for_uses_no_more_threads_than_4_row_units():
     assert [threads_for(r, 2) for r in (0, 1, 4, 5, 8, 9, 70)] == [1, 1, 1, 2, 2, 2, 2]
     assert [threads_for(r, 4) for r in (1, 5, 9, 12, 13, 64)] == [1, 2, 3, 3, 4, 4]

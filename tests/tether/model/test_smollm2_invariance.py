@@ -12,6 +12,7 @@ from tether.model import smollm2
 from tether.model.config import even_split
 from tether.model.llama import SlotRows
 from tether.model.loader import load_model_tokenizer, load_slice, resolve_model
+from tests.helpers import run_chunks
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\nThe capital"
 NEIGHBOURS = ["Once upon a time there was", "写一首关于秋天的短诗", "def add(a, b):\n    return a + b\n" * 3]
@@ -30,20 +31,6 @@ def ids(folder):
 @pytest.fixture(scope="module")
 def full(folder):
     return load_slice(folder)
-
-
-def run_chunks(slices, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    kvs = [s.new_kv() for s in slices]
-    out, pos = [], 0
-    for c in chunks:
-        x = torch.tensor(ids[pos:pos + c])
-        for s, kv in zip(slices, kvs):
-            kv.ensure(pos + c)
-            x = s(x, [SlotRows(kv, pos, c)])
-            kv.length = pos + c
-        out.append(slices[-1].logits(x))
-        pos += c
-    return torch.cat(out)
 
 
 def test_chunking_and_split_do_not_change_a_bit(folder, full, ids):
