@@ -24,18 +24,16 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP threads starve the other processes
 
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import add_level_flags, bench, summarize, together  # noqa: E402
 from services.admission.auth import key_digest  # noqa: E402
-from tether.cli.cluster import LocalCluster, free_port  # noqa: E402
+from tether.cli.cluster import LocalCluster, free_port, wait_serving  # noqa: E402
 
 
 class TreeCluster:
@@ -58,20 +56,12 @@ class TreeCluster:
         env = {**os.environ, "PYTHONPATH": str(self.tree)}   # and cwd: its own tether and services, not ours
         self.proc = subprocess.Popen(cmd, cwd=self.tree, env=env, stdout=open(self.logs / "up.log", "ab"),
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
+        def alive() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.tree}: tether up exited {self.proc.returncode} (see {self.logs})")
         with grpc.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.tree}: tether up exited {self.proc.returncode} (see {self.logs})")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.5)
-        raise TimeoutError(f"{self.tree}: not serving after {timeout} s (see {self.logs})")
+            if not wait_serving(ch, timeout, alive):
+                raise TimeoutError(f"{self.tree}: not serving after {timeout} s (see {self.logs})")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

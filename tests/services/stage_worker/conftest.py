@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import reference, settings
-from tether.cli.cluster import free_port
+from tether.cli.cluster import free_port, wait_serving
 from tether.model.config import ModelConfig
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.protocol import tensors
@@ -146,19 +146,12 @@ class LiveStage:
         self.info: stage_pb2.StageInfo | None = None
 
     def wait_ready(self, timeout: float = 120.0) -> "LiveStage":
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def alive() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"stage exited with {self.proc.returncode} during start-up\n{self.log()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return self
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"stage {self.address} not serving after {timeout:.0f}s\n{self.log()}")
+        if not wait_serving(self.channel, timeout, alive):
+            raise TimeoutError(f"stage {self.address} not serving after {timeout:.0f}s\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
