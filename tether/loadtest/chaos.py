@@ -55,6 +55,7 @@ from tether.faults import FOLLOWED, KINDS, FaultConfig
 # cross_ids, forget_kv) one or two requests; a crash restarts a whole stage process.
 DEFAULT_RATES = {"drop": 0.01, "duplicate": 0.01, "reorder": 0.01, "delay": 0.1, "corrupt": 0.01,
                  "swap_slots": 0.03, "cross_ids": 0.03, "forget_kv": 0.03, "crash": 0.006}
+FALLBACK_RATE = 0.01   # a kind with no default of its own above (a new one runs under `all` before it gets one)
 DEFAULT_SEED = 11
 UNSAFE_FLAG = "--unsafe-disable-stamp-checks"
 COORDINATOR_FLAGS = ["--frame-timeout", "3"]   # a lost frame is noticed (and synced) after 3 s, not the default
@@ -89,7 +90,8 @@ class ChaosPlan:
 def parse_plan(text: str) -> ChaosPlan:
     """'all', kinds ('forget_kv,corrupt'), a fault spec ('drop=0.05,corrupt=0.1,seed=7') or a mix of them.
 
-    A bare kind (or `all`) runs at DEFAULT_RATES; an explicit rate wins wherever it appears. `seed`,
+    A bare kind (or `all`) runs at DEFAULT_RATES (FALLBACK_RATE for a kind without one); an explicit rate wins
+    wherever it appears. `seed`,
     `delay_ms` and `hold_ms` apply to every run (seed default DEFAULT_SEED)."""
     explicit: set[str] = set()
     bare: set[str] = set()
@@ -111,7 +113,8 @@ def parse_plan(text: str) -> ChaosPlan:
             items.append(item)
     # The injector's own parser checks rates and parameters (and repeats) and says what a spec looks like.
     cfg = FaultConfig.parse(",".join(items))
-    rates = {k: (cfg.rates[k] if k in explicit else DEFAULT_RATES[k]) for k in KINDS if k in explicit or k in bare}
+    rates = {k: (cfg.rates[k] if k in explicit else DEFAULT_RATES.get(k, FALLBACK_RATE)) for k in KINDS
+             if k in explicit or k in bare}
     if not rates:
         raise ValueError("no fault kind given; e.g. 'all', 'forget_kv' or 'drop=0.05,corrupt=0.1'")
     return ChaosPlan(rates, seed=cfg.seed if "seed" in params else DEFAULT_SEED,

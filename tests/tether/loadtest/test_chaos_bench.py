@@ -43,6 +43,12 @@ def test_plan_all_kinds_and_specs():
     # each run enables exactly one kind, parseable by the services' own --faults parser
     assert FaultConfig.parse(p.spec("drop")) == FaultConfig(rates={"drop": 0.05}, seed=7, delay_ms=20)
     assert FaultConfig.parse(chaos.parse_plan("forget_kv").spec("forget_kv")).seed == chaos.DEFAULT_SEED
+
+
+def test_a_kind_without_a_default_rate_runs_at_the_fallback(monkeypatch):
+    monkeypatch.delitem(chaos.DEFAULT_RATES, "crash")   # as a new kind would be before it gets a default
+    assert chaos.parse_plan("crash").rates == {"crash": chaos.FALLBACK_RATE}
+    assert chaos.parse_plan("all").rates["crash"] == chaos.FALLBACK_RATE
     assert chaos.parse_plan("crash").spec("crash", seed_offset=2).endswith(",delay_ms=50") and \
         f"seed={chaos.DEFAULT_SEED + 2}" in chaos.parse_plan("crash").spec("crash", seed_offset=2)
 
