@@ -18,7 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from services.admission.tagger import Tags, classify_size, tag, tag_conversation
-from services.admission.validate import ModelLimits, ValidRequest, validate
+from services.admission.validate import ModelLimits, ValidRequest, check_resume_budget, validate
 from tether import settings
 from tether.model.chat_template import load_chat_template
 from tether.model.config import ModelConfig
@@ -58,6 +58,7 @@ def admit(request: admission_pb2.GenerateRequest, limits: ModelLimits) -> tuple[
     except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
         log.exception("tagger failed; serving the request with empty tags")
         tags = untagged(valid)
+    check_resume_budget(valid, tags.output_budget)
     return valid, tags
 
 

@@ -142,7 +142,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             async for event, receipt in events:
                 chunk = admission_pb2.GenerateChunk(index=event.index, token_id=event.token_id,
                                                     text=event.text, finish_reason=event.finish_reason)
-                if event.index == 0:
+                if event.index == len(a.valid.resume_token_ids):   # this call's first chunk (0 unless resumed)
                     chunk.tags.CopyFrom(tags_proto(a.tags, routed))
                     chunk.seed = a.valid.sampling.seed
                     chunk.internal_id = a.internal_id
@@ -360,7 +360,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         lifetime_applied = remaining is None
         submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
                                                sampling=sampling, tenant=valid.tenant, priority=valid.priority,
-                                               label=valid.request_id,
+                                               label=valid.request_id, resume_tokens=valid.resume_token_ids,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining)
         if rt is not None:
             submit.traceparent = rt.traceparent   # the coordinator's span of the request is a child of ours
@@ -371,7 +371,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
         ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
         finished = False         # ... with its last token
         try:
-            count = 0
+            count = len(valid.resume_token_ids)   # a resumed request's events start after what it already has
             while True:
                 event = await events.get()
                 if isinstance(event, SessionBroken):

@@ -48,6 +48,7 @@ class ValidRequest:
     priority: str                            # critical | standard | sheddable
     request_id: str                          # the caller's label ("" when none): never a key downstream
     messages: tuple[tuple[str, str], ...] = ()   # the decoded conversation, () for a raw prompt
+    resume_token_ids: tuple[int, ...] = ()   # output already produced by an earlier attempt (a resume)
 
 
 def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
@@ -72,7 +73,34 @@ def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> Vali
     token_ids = model.tokenizer.encode(prompt)
     _check_lengths(len(token_ids), sampling.max_tokens, model.max_context,
                    "conversation (rendered with the chat template)" if messages else "prompt")
-    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id, messages)
+    resume = _check_resume(request, sampling, model.vocab_size)
+    return ValidRequest(prompt, token_ids, sampling, tenant, priority, request_id, messages, resume)
+
+
+def _check_resume(request: admission_pb2.GenerateRequest, sampling: common_pb2.SamplingParams,
+                  vocab_size: int) -> tuple[int, ...]:
+    """Resumed tokens are context like the prompt, checked like it; they must leave something to generate
+    (`check_resume_budget` once the output budget is known) and, when sampling, come with the seed the first
+    attempt was given (a drawn seed would continue a different answer)."""
+    resume = tuple(request.resume_tokens)
+    if not resume:
+        return resume
+    if len(resume) >= sampling.max_tokens:
+        raise ValidationError(f"resume_tokens holds {len(resume)} tokens; at most max_tokens - 1 "
+                              f"({sampling.max_tokens - 1}) can be resumed from")
+    if max(resume) >= vocab_size:
+        raise ValidationError(f"resume_tokens has a token id >= the vocabulary size {vocab_size}")
+    if sampling.temperature > 0 and request.sampling.seed == 0:
+        raise ValidationError("resume_tokens with temperature > 0 needs the seed the first attempt was given "
+                              "(its first chunk's seed): another seed would continue a different answer")
+    return resume
+
+
+def check_resume_budget(valid: ValidRequest, output_budget: int) -> None:
+    """A resumed request must have output budget left after its resumed tokens (the budget counts them)."""
+    if len(valid.resume_token_ids) >= output_budget:
+        raise ValidationError(f"resume_tokens holds {len(valid.resume_token_ids)} tokens: the request's output "
+                              f"budget of {output_budget} is already spent")
 
 
 def _decode_prompt(raw: bytes) -> str:

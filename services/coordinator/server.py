@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 
@@ -33,6 +36,14 @@ def token_event(out: TokenOut, request_id: str = "") -> coordinator_pb2.TokenEve
                                       finish_reason=out.finish_reason, context_hash=out.context_hash)
 
 
+@dataclass
+class Started:
+    """A request the driver accepted, and the queue of its events (TokenOut | Failure)."""
+
+    req: Request
+    events: asyncio.Queue
+
+
 class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, driver: Driver, tokenizer: Tokenizer, cfg: ModelConfig, fingerprint: str,
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S) -> None:
@@ -59,60 +70,94 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
                     f"window of {self.cfg.max_position_embeddings}")
         if request.sampling.temperature < 0:
             return "sampling.temperature must be >= 0"
+        # Resumed tokens are context like the prompt and checked like it; they confer nothing else.
+        resumed = request.resume_tokens
+        if len(resumed) >= request.sampling.max_tokens:
+            return (f"resume_tokens holds {len(resumed)} tokens; a resumed request must have fewer than its "
+                    f"max_tokens ({request.sampling.max_tokens}) left to continue from")
+        if resumed and max(resumed) >= self.cfg.vocab_size:
+            return f"resume_tokens has a token id >= the vocabulary size {self.cfg.vocab_size}"
         return None
 
-    async def Submit(self, request, context):
+    def start(self, request: coordinator_pb2.SubmitRequest) -> "Started | Failure":
+        """Check a SubmitRequest and start it in the driver: the request and its events, or the Failure that
+        refuses it (the same for Submit and the Session)."""
         error = self._validate(request)
         if error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        rid = request.request_id
-        logs.set_request(rid, request.label)
-        req = self._request(request)
-        if request.traceparent:   # the caller's context: its trace id until ours exists (same trace)
-            c = tracing.span_context(request.traceparent)
-            logs.TRACE_ID.set(f"{c.trace_id:032x}" if c is not None and tracing.TRACER is not None else None)
+            return Failure(grpc.StatusCode.INVALID_ARGUMENT, error)
+        try:
+            req = self._request(request)
+        except ValueError as e:   # resume_tokens that already end the generation
+            return Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             events = self.driver.submit(req, request.traceparent, request.label)
         except PipelineDown as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            return Failure(grpc.StatusCode.UNAVAILABLE, str(e))
         except DuplicateRequest as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        failed: str | None = None   # the status code name of a Failure, for the metrics
+            return Failure(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if self.metrics is not None:
-            self.metrics.submitted(rid)
-        # A caller that set no deadline still gets one: nothing waits forever on a wedged request. (A gRPC
-        # deadline, which admission always sets, cancels this handler by itself.)
+            self.metrics.submitted(req.id)
+        return Started(req, events)
+
+    async def follow(self, started: "Started", timeout_s: float | None, given: bool = True,
+                     ) -> AsyncIterator[TokenOut | Failure]:
+        """A started request's events to its end: TokenOuts, the last with its finish reason, or a Failure (the
+        driver's, or DEADLINE_EXCEEDED past `timeout_s` seconds; None: no limit of our own, a gRPC deadline
+        bounds the call). However the consumer stops (its call cancelled, the stream gone), the request is
+        cancelled in the driver, so nothing keeps working for a caller that left. `given`: whether the
+        timeout is the caller's deadline (False: the coordinator's maximum lifetime)."""
+        req, events = started.req, started.events
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_lifetime_s if context.time_remaining() is None else None
-        finished = False
+        deadline = loop.time() + timeout_s if timeout_s is not None else None
+        ended = False
+        failed: str | None = None   # the status code name of a Failure, for the metrics
         try:
             while True:
-                if deadline is None:
-                    ev = await events.get()
-                else:
-                    try:
-                        ev = await asyncio.wait_for(events.get(), deadline - loop.time())
-                    except TimeoutError:
-                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            f"request {rid} ran past the coordinator's maximum lifetime of "
-                                            f"{self.max_lifetime_s:g} s (the caller set no deadline)")
+                try:
+                    async with asyncio.timeout_at(deadline):   # around the wait only: never around a yield
+                        ev = await events.get()
+                except TimeoutError:   # ours, not the driver's: `ended` stays False, so it is cancelled there
+                    failed = grpc.StatusCode.DEADLINE_EXCEEDED.name
+                    yield Failure(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                        f"request {req.id} ran past its deadline of {timeout_s:g} s" if given else
+                        f"request {req.id} ran past the coordinator's maximum lifetime of {timeout_s:g} s (the "
+                        f"caller set no deadline)"))
+                    return
                 if isinstance(ev, Failure):
-                    finished = True
-                    failed = ev.code.name
-                    await context.abort(ev.code, ev.message)
-                yield token_event(ev)
-                if ev.finish_reason:
-                    finished = True
+                    ended, failed = True, ev.code.name
+                else:
+                    ended = bool(ev.finish_reason)
+                yield ev
+                if ended:
                     return
         finally:
-            if not finished:   # client went away, the call was cancelled or ran out of time: free it now
-                self.driver.cancel(rid, only=req)
+            if not ended:   # the caller went away, the call was cancelled or ran out of time: free it now
+                self.driver.cancel(req.id, only=req)
             if self.metrics is not None:
-                self.metrics.ended(rid, failed)
+                self.metrics.ended(req.id, failed)
+
+    async def Submit(self, request, context):
+        logs.set_request(request.request_id, request.label)
+        if request.traceparent:   # the caller's context: its trace id until ours exists (same trace)
+            c = tracing.span_context(request.traceparent)
+            logs.TRACE_ID.set(f"{c.trace_id:032x}" if c is not None and tracing.TRACER is not None else None)
+        started = self.start(request)
+        if isinstance(started, Failure):
+            await context.abort(started.code, started.message)
+        # A caller that set no deadline still gets one: nothing waits forever on a wedged request. (A gRPC
+        # deadline, which admission always sets, cancels this handler by itself.)
+        timeout_s = self.max_lifetime_s if context.time_remaining() is None else None
+        async with aclosing(self.follow(started, timeout_s, given=False)) as events:
+            async for ev in events:
+                if isinstance(ev, Failure):
+                    await context.abort(ev.code, ev.message)
+                yield token_event(ev)
 
     def _request(self, request: coordinator_pb2.SubmitRequest) -> Request:
+        """The request's Sequence, started after its resumed tokens (ValueError: they already end it)."""
         seq = Sequence(request.request_id, list(request.prompt_token_ids), request.sampling, self.tokenizer,
                        hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
+        seq.resume(list(request.resume_tokens))
         return Request(seq, tenant=request.tenant, priority=request.priority or "standard")
 
     async def Session(self, request_iterator, context):
@@ -141,8 +186,8 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
 
 class _Session:
     """One Session stream: starts the requests it carries, follows each one's events and writes whatever is
-    ready as one TokenEvents message. Per request, the same checks, events, deadline and cancellation as
-    Submit; a request still running when the stream ends is cancelled."""
+    ready as one TokenEvents message. Per request, the same routine as Submit (`start`, `follow`): the same
+    checks, events, deadline and cancellation; a request still running when the stream ends is cancelled."""
 
     def __init__(self, svc: CoordinatorServicer, context: grpc.aio.ServicerContext) -> None:
         self.svc, self.context = svc, context
@@ -160,69 +205,34 @@ class _Session:
 
     def _start(self, request: coordinator_pb2.SubmitRequest) -> None:
         rid = request.request_id
-        error = self.svc._validate(request)
-        if error:
-            self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, error)
+        started = self.svc.start(request)
+        if isinstance(started, Failure):
+            self._fail(rid, started.code, started.message)
             return
-        req = self.svc._request(request)
-        try:
-            events = self.svc.driver.submit(req, request.traceparent, request.label)
-        except PipelineDown as e:
-            self._fail(rid, grpc.StatusCode.UNAVAILABLE, str(e))
-            return
-        except DuplicateRequest as e:
-            self._fail(rid, grpc.StatusCode.ALREADY_EXISTS, str(e))
-            return
-        if self.svc.metrics is not None:
-            self.svc.metrics.submitted(rid)
-        timeout_s = request.timeout_s if request.timeout_s > 0 else self.svc.max_lifetime_s
-        self.follows[rid] = asyncio.create_task(self._follow(rid, request.label, req, events, timeout_s,
-                                                             request.timeout_s > 0))
+        given = request.timeout_s > 0
+        timeout_s = request.timeout_s if given else self.svc.max_lifetime_s
+        self.follows[rid] = asyncio.create_task(self._follow(rid, request.label, started, timeout_s, given))
 
     def _cancel(self, rid: str) -> None:
         task = self.follows.get(rid)
         if task is not None:
-            task.cancel()      # its finally cancels the request in the driver
+            task.cancel()      # its follow() cancels the request in the driver
 
-    def _expire(self, rid: str, timeout_s: float, given: bool) -> None:
-        task = self.follows.get(rid)
-        if task is None:
-            return
-        why = (f"request {rid} ran past its deadline of {timeout_s:g} s" if given else
-               f"request {rid} ran past the coordinator's maximum lifetime of {timeout_s:g} s (the caller set "
-               f"no deadline)")
-        self._fail(rid, grpc.StatusCode.DEADLINE_EXCEEDED, why)
-        task.cancel()
-
-    async def _follow(self, rid: str, label: str, req: Request, events: asyncio.Queue, timeout_s: float,
-                      given: bool) -> None:
+    async def _follow(self, rid: str, label: str, started: Started, timeout_s: float, given: bool) -> None:
         logs.set_request(rid, label)   # this task's own context: its log lines carry the request's id
         if self.svc.driver.traces:
             spans = self.svc.driver.traces.get(rid)
             logs.TRACE_ID.set(spans.trace_id if spans is not None else None)
-        finished = False
-        failed: str | None = None      # the status code name of a Failure, for the metrics
-        timer = self.loop.call_later(timeout_s, self._expire, rid, timeout_s, given)
         try:
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Failure):
-                    finished = True
-                    failed = ev.code.name
-                    self._fail(rid, ev.code, ev.message)
-                    return
-                self._emit(token_event(ev, rid))
-                if ev.finish_reason:
-                    finished = True
-                    return
+            async with aclosing(self.svc.follow(started, timeout_s, given)) as events:
+                async for ev in events:
+                    if isinstance(ev, Failure):
+                        self._fail(rid, ev.code, ev.message)
+                    else:
+                        self._emit(token_event(ev, rid))
         finally:
-            timer.cancel()
             if self.follows.get(rid) is asyncio.current_task():
                 del self.follows[rid]
-            if not finished:   # cancelled, expired or the stream ended: free it now
-                self.svc.driver.cancel(rid, only=req)
-            if self.svc.metrics is not None:
-                self.svc.metrics.ended(rid, failed)
             if not self.follows:
                 self.ready.set()   # the writer checks whether the stream is done
 

@@ -6,7 +6,8 @@ served path splits the same loop across processes (the coordinator schedules and
 the layers), with the same Sequence, sampler and batching limits.
 
 One step:
-1. schedule: every running sequence decodes one token; waiting ones join in arrival order, whole prompts,
+1. schedule: every running sequence decodes one token; waiting ones join in arrival order, whole prompts
+   (with a resumed sequence's output so far),
    while the step stays within `max_batch` sequences and `max_batch_tokens` rows (as the coordinator's
    scheduler does for one stage);
 2. run the model over the batch: each sequence's new tokens (its prompt on its first step, its last token
@@ -80,7 +81,7 @@ class InProcessEngine:
         if not self.waiting or len(self.running) >= self.max_batch:
             return False
         return (not self.running or self.max_batch_tokens is None
-                or rows + len(self.waiting[0].prompt_ids) <= self.max_batch_tokens)
+                or rows + len(self.waiting[0].all_ids) <= self.max_batch_tokens)
 
     def schedule(self) -> list[Running]:
         """Step 1: the running sequences (one decode row each), then waiting ones while the limits allow."""
@@ -88,7 +89,7 @@ class InProcessEngine:
         while self._admits(rows):
             seq = self.waiting.popleft()
             self.running.append(Running(seq, self.model.new_kv()))
-            rows += len(seq.prompt_ids)
+            rows += len(seq.all_ids)   # a resumed sequence prefills its output so far too
         return self.running
 
     def step(self) -> list[tuple[Sequence, TokenOut]]:

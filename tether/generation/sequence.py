@@ -53,6 +53,18 @@ class Sequence:
         change it)."""
         return self._all
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Start after output tokens already produced and passed on (a resumed request): they are replayed
+        through the same rules as if sampled now, so the detokenizer's held bytes, a stop string's held prefix,
+        the context hash and the budget are exactly where the uninterrupted run had them, and their text counts
+        as already emitted. ValueError if they already end the sequence (nothing is left to generate)."""
+        assert not self.output_ids, "resume() starts a fresh sequence"
+        for i, token_id in enumerate(token_ids):
+            self.append(token_id)
+            if self.finished:
+                raise ValueError(f"resume_tokens end the generation at token {i} "
+                                 f"({FinishReason.Name(self.finish_reason)}); nothing is left to generate")
+
     def append(self, token_id: int) -> TokenOut:
         """Add a sampled token; returns the text that may be shown and, if it ended, why."""
         assert not self.finished, "token appended to a finished sequence"
