@@ -118,6 +118,17 @@ STAGE_METRICS_BASE_PORT = 9071
 # rest are counted under "_other", so a client inventing tenant names cannot grow the metrics without bound.
 METRICS_MAX_TENANTS = 64
 METRICS_PORT = 0                 # a service's --metrics-port when not given: off
+# --metrics-host: /metrics shows load, tenants and pipelines, so it binds loopback unless a deployment whose
+# Prometheus scrapes over the network says otherwise (docker-compose.yml and deploy/k8s bind 0.0.0.0 and
+# restrict the port: no published port, a NetworkPolicy).
+METRICS_HOST = "127.0.0.1"
+# A scrape never reaches a service's serving state more than once per this many seconds, however many
+# scrapers ask (the stage's Stats runs on its model thread): collectors serve a snapshot at most this old.
+METRICS_SNAPSHOT_MAX_AGE_S = 1.0
+# /metrics is served by at most this many threads; a connection beyond them is answered 503 at once, and
+# one that sends nothing is closed after the timeout, so a scrape flood holds a bounded number of threads.
+METRICS_HTTP_WORKERS = 4
+METRICS_HTTP_TIMEOUT_S = 5.0
 LOG_FORMATS = ("text", "json")   # --log-format: json is one object per line (tether/telemetry/logs.py)
 LOG_FORMAT = "text"
 

@@ -18,7 +18,8 @@ from tether import service_main, settings, supervise
 from tether.argtypes import positive_int
 from tether.grpcutil import Server
 from tether.telemetry import logs, metrics
-from tether.model.loader import model_fingerprint, resolve_model
+from tether.model.loader import checked_fingerprint, resolve_model
+from tether.model.record import ModelFolderChanged
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
 log = logging.getLogger("admission")
@@ -77,7 +78,8 @@ def load_model_limits(model: str) -> tuple[Path, ModelLimits, str]:
     """The folder, tokenizer, limits and chat template of `model`, and its fingerprint (which the coordinator
     must report too). A template that does not compile stops admission here, not on the first conversation."""
     folder = resolve_model(model)
-    return folder, model_limits(folder), model_fingerprint(folder)
+    fingerprint = checked_fingerprint(folder)   # before reading its tokenizer: refuses a folder changed since made
+    return folder, model_limits(folder), fingerprint
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -120,7 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
     readiness = supervise.start("readiness", lambda: follow_readiness(server, servicer), not_ready)
     pipelines.start()   # each pipeline's load, and the set of pipelines behind `dns:` names
     if registry is not None:
-        service_main.serve_metrics("admission", registry, args.host, args.metrics_port)
+        service_main.serve_metrics("admission", registry, args.metrics_host, args.metrics_port)
     logs.announce(log, f"admission listening on {args.host}:{server.port} (pipelines {', '.join(pipelines.links)}, "
                        f"model {args.model} {fingerprint})")
     try:
@@ -133,5 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    # Only OSError (e.g. a --port or --metrics-port in use) is fatal in one line: serve words its own bad input.
-    service_main.run("admission", parser, parser.parse_args(argv), serve, experiments=False, fatal=(OSError,))
+    # Only OSError (e.g. a --port or --metrics-port in use) and a changed model folder are fatal in one line:
+    # serve words its own bad input.
+    service_main.run("admission", parser, parser.parse_args(argv), serve, experiments=False,
+                     fatal=(OSError, ModelFolderChanged))

@@ -12,7 +12,7 @@ from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig
-from tether.model.loader import DTYPES, load_model_tokenizer, model_fingerprint, resolve_model
+from tether.model.loader import DTYPES, checked_fingerprint, load_model_tokenizer, resolve_model
 from tether.security import authz
 from tether.telemetry import logs, metrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> None:
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_folder(folder)
-    fingerprint = model_fingerprint(folder)
+    fingerprint = checked_fingerprint(folder)   # refuses a folder changed since tether made it
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
     pipeline = Pipeline(addresses, fingerprint, args.dtype, FaultInjector(args.fault_config), tls=args.tls)
     guard = [authz.AuthzInterceptor()] if args.tls is not None else []   # who may call what (mutual TLS only)
@@ -87,8 +87,8 @@ async def serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         # the very Stats reply gRPC clients get, built on the loop that owns the driver's state
         registry.register(metrics.CoordinatorCollector(
-            lambda: metrics.on_loop(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
-        service_main.serve_metrics("coordinator", registry, args.host, args.metrics_port)
+            metrics.loop_snapshot(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
+        service_main.serve_metrics("coordinator", registry, args.metrics_host, args.metrics_port)
     await server.set_serving(False)
     loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")

@@ -13,7 +13,7 @@ from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig, parse_layers
-from tether.model.loader import DTYPES, load_slice, model_fingerprint, resolve_model
+from tether.model.loader import DTYPES, checked_fingerprint, load_slice, resolve_model
 from tether.security import authz
 from tether.telemetry import logs, metrics
 
@@ -71,11 +71,11 @@ async def serve(args: argparse.Namespace) -> None:
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_folder(folder)
     start, end = parse_layers(args.layers, cfg.num_hidden_layers)
+    fingerprint = checked_fingerprint(folder)   # before loading: refuses a folder changed since tether made it
     model = load_slice(folder, start, end, args.dtype)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)
     log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
              kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
-    fingerprint = model_fingerprint(folder)
     checks = not args.unsafe_disable_stamp_checks
     worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=args.dtype, stamp_checks=checks,
                          limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
@@ -95,10 +95,11 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port:
         registry = metrics.new_registry()
         loop = asyncio.get_running_loop()
-        # the very Stats reply gRPC clients get (its figures are read on the step thread, between steps)
+        # the very Stats reply gRPC clients get (its figures are read on the step thread, between steps), at
+        # most once per METRICS_SNAPSHOT_MAX_AGE_S: scrapes never queue work on the model thread
         registry.register(metrics.StageCollector(
-            lambda: metrics.on_loop(loop, lambda: servicer.Stats(stage_pb2.StageStatsRequest(), None))))
-        service_main.serve_metrics("stage", registry, args.host, args.metrics_port)
+            metrics.loop_snapshot(loop, lambda: servicer.Stats(stage_pb2.StageStatsRequest(), None))))
+        service_main.serve_metrics("stage", registry, args.metrics_host, args.metrics_port)
     await server.set_serving(True)
     leases = supervise.start("lease", servicer.expire_leases)
     logs.announce(log, f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, "

@@ -113,7 +113,8 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
             svc.argv += tls_config.service_flags(tls_dir, cert)
         if metrics_ports is not None:
             svc.argv += ["--metrics-port", str(metrics_ports[name])]
-            svc.metrics_address = f"{host}:{metrics_ports[name]}"
+            # /metrics stays on loopback (--metrics-host's default) whatever --host the cluster serves on
+            svc.metrics_address = f"{settings.METRICS_HOST}:{metrics_ports[name]}"
         svc.argv += extra.get(role, [])
         services.append(svc)
 

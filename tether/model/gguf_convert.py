@@ -25,7 +25,8 @@ if TYPE_CHECKING:   # imported where used: `gguf` is only needed when a conversi
     from gguf import GGUFReader
 
 # Bump when the output of the conversion changes, so cached folders are regenerated.
-CONVERTER_VERSION = 1
+# 2: the folder carries its record (tether/model/record.py), checked whenever a service loads it.
+CONVERTER_VERSION = 2
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
-from tether.model import smollm2
+from tether.model import record, smollm2
 from tether.model.presets import PRESETS, ensure_preset
 from tether.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -50,6 +50,16 @@ def model_fingerprint(folder: str | Path) -> str:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def checked_fingerprint(folder: str | Path) -> str:
+    """model_fingerprint(folder), after checking the folder against the record tether wrote when it made it
+    (tether/model/record.py): what a service calls when it loads its model. Raises record.ModelFolderChanged
+    (a ValueError) for a folder changed since."""
+    folder = Path(folder)
+    fingerprint = model_fingerprint(folder)
+    record.check(folder, fingerprint)
+    return fingerprint
 
 
 def _slice_key(name: str, start: int, end: int, cfg: ModelConfig) -> str | None:

@@ -88,6 +88,9 @@ def ensure_preset(name: str) -> Path:
         # A chat template, so presets take conversations like a real instruct model (tether/model/chat_template.py).
         tcfg_path = tmp / "tokenizer_config.json"
         tcfg_path.write_text(json.dumps({**json.loads(tcfg_path.read_text()), "chat_template": CHATML_TEMPLATE}))
+        from tether.model import record
+        from tether.model.loader import model_fingerprint   # (loader imports this module)
+        record.write(tmp, model_fingerprint(tmp))   # what every service checks the folder against when it loads
         try:
             os.rename(tmp, dest)
         except OSError:

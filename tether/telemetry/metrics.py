@@ -11,8 +11,10 @@ carry over. Two kinds of source, chosen so the serving hot path does no extra wo
   (`AdmissionMetrics`: time to first token, inter-token latency, end-to-end) and the coordinator's scheduler
   boundary (`CoordinatorMetrics`: queue time, through Driver.on_batch).
 
-Collection runs on prometheus-client's HTTP thread. A snapshot of state owned by an asyncio loop is taken on
-that loop (`on_loop`), never read from the HTTP thread while the loop mutates it.
+Collection runs on a thread of the /metrics server (metrics_http.py: a bounded number of them). A snapshot of
+state owned by an asyncio loop is taken on that loop (`on_loop`), never read from the HTTP thread while the
+loop mutates it, and at most once per METRICS_SNAPSHOT_MAX_AGE_S however many scrapes ask (`CachedSnapshot`):
+a stage's Stats runs on its model thread, and a scrape flood must not queue work there.
 
 Every metric name is in METRIC_NAMES; tests hold the Grafana dashboard and the docs to that list.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
@@ -58,11 +62,41 @@ def new_registry() -> CollectorRegistry:
 
 def serve(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve `registry` as /metrics on host:port (0 picks a free port) from a daemon thread; returns the port."""
+    from tether.telemetry import metrics_http
     try:
-        server, _thread = prometheus_client.start_http_server(port, host, registry)
+        server = metrics_http.start(registry, host, port)
     except OSError as e:
-        raise OSError(f"--metrics-port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from e
+        raise OSError(f"--metrics-host {host} --metrics-port {port}: cannot listen on {host}:{port}: "
+                      f"{e.strerror or e}") from e
     return server.server_address[1]
+
+
+class CachedSnapshot:
+    """`fetch()` at most once per `max_age_s`, however many callers ask: a caller within that age of the last
+    fetch gets its result, and callers arriving during a fetch wait for that one fetch (one at a time) rather
+    than starting their own. A failed fetch is not cached (the next caller tries again)."""
+
+    def __init__(self, fetch: Callable[[], T], max_age_s: float = settings.METRICS_SNAPSHOT_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fetch, self.max_age_s, self.clock = fetch, max_age_s, clock
+        self.fetches = 0
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._at = -math.inf
+
+    def __call__(self) -> T:
+        with self._lock:
+            if self._value is None or self.clock() - self._at >= self.max_age_s:
+                self._value = self.fetch()
+                self.fetches += 1
+                self._at = self.clock()
+            return self._value
+
+
+def loop_snapshot(loop: asyncio.AbstractEventLoop, fn: Callable[[], T],
+                  max_age_s: float = settings.METRICS_SNAPSHOT_MAX_AGE_S) -> CachedSnapshot:
+    """What a Stats collector reads: `fn` run on `loop` (which owns the state), at most once per `max_age_s`."""
+    return CachedSnapshot(lambda: on_loop(loop, fn), max_age_s)
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], T], timeout: float = SCRAPE_TIMEOUT_S) -> T:
