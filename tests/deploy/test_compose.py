@@ -2,7 +2,9 @@
 
 docker-compose.yml must run exactly the cluster that tether/cli/cluster.py service_commands() launches as local
 processes with metrics on (same subcommands and flags, listening on 0.0.0.0, peers by service name), start it in
-health order, and health-check it with tether.cli.healthcheck; Prometheus (deploy/prometheus) must scrape every
+health order, and health-check it with tether.cli.healthcheck; publish nothing beyond 127.0.0.1, Grafana with no
+default password, the TLS override (docker-compose.tls.yml) mounting each service its own key and the CA
+certificate only, never ca.key; Prometheus (deploy/prometheus) must scrape every
 tether service at its --metrics-port, and the Grafana dashboard (deploy/grafana) may only query metric names the
 code exposes (tether.telemetry.metrics.metric_names()); the Dockerfile must build that image offline-at-runtime (CPU
 torch pinned as in pyproject.toml, gRPC code generated as the Makefile does, the tiny model baked in). The
@@ -39,6 +41,7 @@ from tether.telemetry.metrics import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_TLS = ROOT / "docker-compose.tls.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -48,6 +51,8 @@ MODEL = "tiny"
 TETHER_HOME = "/data/tether"
 HEALTHCHECK = ["CMD", "python", "-m", "tether.cli.healthcheck"]
 ADDRESS_FLAGS = {"--stages", "--coordinator"}   # hold peers' addresses: service names in compose
+# flags compose adds to service_commands(): /metrics on the compose network for Prometheus (not published)
+COMPOSE_ONLY_FLAGS = {"--metrics-host": "0.0.0.0"}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -143,8 +148,10 @@ def test_command_matches_service_commands(name):
     ref = _reference()[name]
     assert ref[0] == f"services.{SERVICE_MODULES[cmd[0]]}", f"{name}: `tether {cmd[0]}` runs another service"
     mine, theirs = _flags(cmd[1:]), _flags(ref[1:])
-    assert set(mine) == set(theirs), f"{name}: flags {sorted(mine)} != service_commands() {sorted(theirs)}"
+    assert set(mine) == set(theirs) | set(COMPOSE_ONLY_FLAGS), \
+        f"{name}: flags {sorted(mine)} != service_commands() {sorted(theirs)} + {sorted(COMPOSE_ONLY_FLAGS)}"
     assert mine["--host"] == "0.0.0.0"
+    assert {k: mine[k] for k in COMPOSE_ONLY_FLAGS} == COMPOSE_ONLY_FLAGS
     for flag in set(theirs) - {"--host"} - ADDRESS_FLAGS:
         assert mine[flag] == theirs[flag], f"{name}: {flag} {mine[flag]!r} != service_commands() {theirs[flag]!r}"
 
@@ -224,7 +231,7 @@ def test_admission_is_published_and_env_is_set():
     compose = _compose()
     services = _tether_services(compose)
     admission_port = _flags(services["admission"]["command"][1:])["--port"]
-    assert f"{admission_port}:{admission_port}" in [str(p) for p in services["admission"].get("ports", [])]
+    assert f"127.0.0.1:{admission_port}:{admission_port}" in [str(p) for p in services["admission"].get("ports", [])]
     volume_names = set(compose.get("volumes") or {})
     for name, svc in services.items():
         env = _env(svc)
@@ -258,6 +265,84 @@ def test_serving_never_waits_for_telemetry():
     """Jaeger, Prometheus and Grafana may be down: no tether service depends on them."""
     for name, svc in _tether_services(_compose()).items():
         assert not {"jaeger", "prometheus", "grafana"} & set(svc.get("depends_on") or {}), name
+
+
+# --------------------------------------------------------------------------------------------- secure by default
+
+def _port_bindings(svc: dict) -> list[tuple[str | None, str, str]]:
+    """(host address or None for every interface, host port, container port) of each `ports:` entry."""
+    out = []
+    for p in svc.get("ports", []):
+        if isinstance(p, dict):   # long syntax
+            out.append((p.get("host_ip"), str(p.get("published", "")), str(p["target"])))
+            continue
+        parts = str(p).split("/")[0].rsplit(":", 2)
+        if len(parts) == 3:
+            out.append((parts[0].strip("[]"), parts[1], parts[2]))
+        else:
+            out.append((None, parts[0], parts[-1]))
+    return out
+
+
+def test_every_published_port_is_bound_to_loopback():
+    """A `ports:` entry without an address publishes on every interface of the host (and Docker's iptables rules
+    bypass the host firewall): admission plaintext and keyless, Jaeger's UI and ingest, Prometheus, Grafana."""
+    for name, svc in _compose()["services"].items():
+        for host, published, target in _port_bindings(svc):
+            assert host == "127.0.0.1", f"{name}: port {published}:{target} is published on {host or 'every interface'}"
+
+
+def test_metrics_ports_are_not_published():
+    for name, svc in _tether_services(_compose()).items():
+        metrics_port = _flags(svc["command"][1:])["--metrics-port"]
+        assert metrics_port not in {t for _, _, t in _port_bindings(svc)}, f"{name} publishes /metrics"
+
+
+def test_grafana_has_no_default_password_and_no_anonymous_access():
+    env = _env(_compose()["services"]["grafana"])
+    password = env.get("GF_SECURITY_ADMIN_PASSWORD", "")
+    # compose's ${VAR:?message}: `up` stops unless the operator set it; no ${VAR:-default}, no literal
+    assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]+\}", password), f"GF_SECURITY_ADMIN_PASSWORD is {password!r}"
+    assert env.get("GF_AUTH_ANONYMOUS_ENABLED", "false").lower() == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert env.get("GF_USERS_ALLOW_SIGN_UP", "false").lower() == "false"
+    assert not any(k.startswith("GF_SECURITY_ADMIN_PASSWORD__FILE") for k in env)
+
+
+def _tls_flags(name: str) -> dict[str, str]:
+    """The TLS flags service_commands() gives `name` with its certificates in /pki: the files it must have."""
+    stages = sum(1 for svc in _compose()["services"].values() if (svc.get("command") or [""])[0] == "stage")
+    (svc,) = [s for s in service_commands(MODEL, stages, tls_dir=Path("/pki")) if s.name == name]
+    flags = _flags(svc.argv[svc.argv.index("--tls-ca"):svc.argv.index("--tls-key") + 2])
+    return flags
+
+
+def test_the_tls_override_mounts_each_service_only_its_own_key_and_the_ca_certificate(tmp_path):
+    from tether.security import certs
+    base, tls = _compose(), yaml.safe_load(COMPOSE_TLS.read_text())
+    assert set(tls["services"]) == set(_tether_services(base)), "every tether service and only them"
+    certs.init(tmp_path / "pki", stages=2)     # what the header's `tether certs init ./pki --stages 2` makes
+    made = {p.name for p in (tmp_path / "pki").iterdir()}
+    assert "ca.key" in made
+    for name, svc in tls["services"].items():
+        assert set(svc) <= {"environment", "volumes"}, f"{name}: the override changes only files and variables"
+        wanted = _tls_flags(name)
+        env = _env(svc)
+        assert {"--tls-ca": env[settings.TLS_CA_ENV], "--tls-cert": env[settings.TLS_CERT_ENV],
+                "--tls-key": env[settings.TLS_KEY_ENV]} == wanted, name
+        mounts = {}
+        for volume in svc["volumes"]:
+            src, dst, mode = volume.split(":")
+            assert mode == "ro", f"{name}: {volume} must be read-only"
+            assert src.startswith("./pki/") and Path(src).name in made, f"{name}: {src} is not a certs init file"
+            assert Path(src).name != "ca.key", f"{name} mounts the CA's key"
+            mounts[dst] = Path(src).name
+        assert set(mounts) == set(wanted.values()), f"{name} mounts {sorted(mounts)}: only its own key and cert, the CA"
+        assert all(mounts[path] == Path(path).name for path in mounts)
+    for text in (COMPOSE.read_text(), COMPOSE_TLS.read_text()):
+        mounted = [v for svc in yaml.safe_load(text)["services"].values() for v in svc.get("volumes", [])]
+        assert not any("ca.key" in str(v) or str(v).split(":")[0].rstrip("/") in ("./pki", "pki") for v in mounted)
+    assert "pki/" in (ROOT / ".gitignore").read_text().splitlines(), "keys made in ./pki must never be committed"
 
 
 # --------------------------------------------------------------------------------------------- Prometheus

@@ -33,7 +33,8 @@ OVERLAY = K8S / "overlays" / "example"
 SECOND_PIPELINE = K8S / "overlays" / "pipeline-p1"
 AUTOSCALED = K8S / "overlays" / "autoscaled"
 ADDRESS_FLAGS = {"--stages", "--coordinator"}
-K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants"}   # flags a deployment sets that the local launcher leaves default
+K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants", "--metrics-host"}   # flags a deployment sets that the local
+                                                                        # launcher leaves default
 CLUSTER_SCOPED = {"Namespace"}
 IMAGE_UID = 10001                                   # the Dockerfile's `useradd --uid`
 
@@ -269,6 +270,7 @@ def test_commands_parse_and_match_service_commands(docs):
         except SystemExit as e:
             pytest.fail(f"{name}: `tether {' '.join(argv)}` does not parse (exit {e.code})")
         assert ns.host == "0.0.0.0"
+        assert ns.metrics_host == "0.0.0.0", f"{name}: Prometheus scrapes the pod's IP (the NetworkPolicy limits who)"
         mine, theirs = _flags(argv[1:]), _flags(reference[name])
         assert set(theirs) <= set(mine), f"{name}: missing {sorted(set(theirs) - set(mine))}"
         assert set(mine) - set(theirs) <= K8S_ONLY_FLAGS, f"{name}: unexpected {sorted(set(mine) - set(theirs))}"
@@ -487,13 +489,13 @@ def test_autoscaled_pipeline_pods_are_whole_pipelines_scaled_on_the_queue():
         assert c["name"] == f"stage-{i}"
         argv = [_expand(a, _env(docs, c)) for a in c["args"]]
         mine, theirs = _flags(argv[1:]), _flags(reference[f"stage{i}"])
-        assert {k: v for k, v in mine.items() if k != "--host"} == {k: v for k, v in theirs.items() if k != "--host"}
+        assert _same_but_hosts(mine, theirs)
         assert c["readinessProbe"]["grpc"]["port"] == int(mine["--port"])
         assert {p["containerPort"] for p in c["ports"]} == {int(mine["--port"]), int(mine["--metrics-port"])}
         importlib.import_module("services.stage_worker.main").build_parser().parse_args(argv[1:])
     argv = [_expand(a, _env(docs, coord)) for a in coord["args"]]
     mine, theirs = _flags(argv[1:]), _flags(reference["coordinator"])
-    assert {k: v for k, v in mine.items() if k != "--host"} == {k: v for k, v in theirs.items() if k != "--host"}, \
+    assert _same_but_hosts(mine, theirs), \
         "the pod's coordinator routes to its own stage containers exactly as `tether up` does"
     importlib.import_module("services.coordinator.main").build_parser().parse_args(argv[1:])
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == mine["--metrics-port"], \
@@ -514,6 +516,13 @@ def test_autoscaled_pipeline_pods_are_whole_pipelines_scaled_on_the_queue():
     series = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)\{", rule["seriesQuery"]).group(1)
     assert re.fullmatch(rule["name"]["matches"], series)
     assert series in _coordinator_metric_names(), f"{series} is not a metric the coordinator exports"
+
+
+def _same_but_hosts(mine: dict[str, str], theirs: dict[str, str]) -> bool:
+    """Equal flags apart from where they listen (0.0.0.0 in a pod, for the probes and Prometheus)."""
+    assert mine["--host"] == mine["--metrics-host"] == "0.0.0.0"
+    drop = {"--host", "--metrics-host"}
+    return {k: v for k, v in mine.items() if k not in drop} == {k: v for k, v in theirs.items() if k not in drop}
 
 
 def _coordinator_metric_names() -> set[str]:
