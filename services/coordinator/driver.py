@@ -11,7 +11,8 @@ Tokens already sent to a client never change: a rebuild replays them as context,
 by (seed, position), so generation continues exactly where it was.
 
 Every path that ends a request (finish, cancel, failure, a crash of this loop) queues a Release of its
-state on every stage; `run` is supervised (tether/supervise.py): an unexpected error fails the active
+state on every stage, at once or, when it ended with a frame in flight, once that frame is over (the
+request's Phase decides: services/coordinator/scheduler.py); `run` is supervised (tether/supervise.py): an unexpected error fails the active
 requests with INTERNAL, turns health NOT_SERVING and restarts the loop.
 """
 
@@ -31,7 +32,7 @@ from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.releases import ReleaseQueue
 from services.coordinator.request_spans import RequestSpans
-from services.coordinator.scheduler import Request, Scheduler
+from services.coordinator.scheduler import Phase, Request, Scheduler
 from services.coordinator.verdict import Verdict, describe_held, held_everywhere, judge
 from tether import settings
 from tether.generation.sequence import TokenOut
@@ -148,8 +149,7 @@ class Driver:
         return [*self.sched.running.values(), *self.sched.waiting]
 
     def _finish(self, req: Request, failure: Failure | None) -> None:
-        started = req.id in self.sched.running
-        self.sched.remove(req)
+        release = self.sched.remove(req)   # Request.end: released now, or once its frame is over
         if self.traces:
             spans = self.traces.pop(req.id, None)
             if spans is not None:
@@ -159,15 +159,24 @@ class Driver:
             self.counters.failed += 1
             if q is not None:
                 q.put_nowait(failure)
-        if started and not req.in_flight:
-            self._queue_release(req.id)
+        if release:
+            self._queue_release(req)
         self.wake.set()
 
-    def _queue_release(self, request_id: str) -> None:
-        """Free a request's state on every stage (soon, from the feed loop); the ledger counts its blocks held
-        until every stage has answered."""
-        self.sched.ledger.release_begin(request_id)
-        self.releases.add(request_id)
+    def _queue_release(self, req: Request) -> None:
+        """Free an ended request's state on every stage (soon, from the feed loop); the ledger counts its blocks
+        held until every stage has answered."""
+        self.sched.ledger.release_begin(req.id)
+        self.sched.ended[req.id] = req
+        self.releases.add(req.id)
+
+    def _frame_over(self, req: Request, lost: bool = False) -> bool:
+        """The frame `req` had in flight is over: answered, forgotten with the stream, or (`lost`) given up on
+        and to be synced. A request that ended meanwhile is released now (`Request.frame_over`: the rule lives
+        there, once). True when it had ended: nothing else is to be done with it."""
+        if req.lose() if lost else req.frame_over():
+            self._queue_release(req)
+        return req.done
 
     # --- the loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -218,15 +227,9 @@ class Driver:
         why = f"coordinator driver failed: {type(error).__name__}: {error}"
         self.health.down(f"restarting: {why}")
         self.pipeline.close_stream()
+        self._forget_frames()   # first: a request ended while in flight is released, the rest settle
         for req in self.active():
-            req.in_flight = False
             self._finish(req, Failure(grpc.StatusCode.INTERNAL, f"{why}; the request was stopped"))
-        for batch in self.frames.forget():
-            for req in batch:
-                if req.in_flight and req.done:   # cancelled while its frame was in flight: release it too
-                    req.in_flight = False
-                    self._queue_release(req.id)
-        self.sched.frames_lost()
         self.health.recovered()
         ids = self.releases.take()
         if ids:
@@ -246,11 +249,14 @@ class Driver:
         """The stream broke: keep requests, forget frames in flight (their outcome is unknown until a sync)."""
         log.warning("pipeline broken, recovering: %s", why)
         self.health.broken(why)
+        self._forget_frames()
+
+    def _forget_frames(self) -> None:
+        """The stream is gone: no frame is in flight any more (their outcome is unknown until a sync)."""
         for batch in self.frames.forget():
             for req in batch:
-                req.in_flight = False
-                if req.done:   # cancelled while its frame was in flight: nothing else will release it
-                    self._queue_release(req.id)
+                if req.phase in (Phase.IN_FLIGHT, Phase.ENDING):   # not one the watchdog gave up on already
+                    self._frame_over(req)
         self.sched.frames_lost()
 
     def _unavailable(self, why: str) -> None:
@@ -260,7 +266,6 @@ class Driver:
         self.health.down(f"recovering: {why}" if self.health.recovering else why)
         expired = self.health.waited_past(self.recovery_window_s)
         for req in list(self.sched.waiting) + (list(self.sched.running.values()) if expired else []):
-            req.in_flight = False
             self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"pipeline failed during generation: {why}"))
         if expired:
             self.health.recovered()
@@ -325,7 +330,7 @@ class Driver:
             if self.traces:
                 self._trace_event(req, "preempted", "KV_BLOCKS", "KV blocks are needed by an older or "
                                                                  "higher-priority request; recomputed later")
-            self.releases.add(req.id)     # its blocks are already `releasing` in the ledger
+            self.releases.add(req.id)     # its blocks are already `releasing` in the ledger (PREEMPTED)
         s.preempted.clear()
         for req in s.impossible:
             self._finish(req, Failure(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -361,9 +366,7 @@ class Driver:
 
     def _settle(self, req: Request, res: stage_pb2.SlotResult | None) -> None:
         """Apply one slot's result: append the token only if the echo is exactly what was sent."""
-        if req.done:   # cancelled while in flight
-            req.in_flight = False
-            self._queue_release(req.id)
+        if self._frame_over(req):   # ended while in flight: released, the result is of no use
             return
         j = judge(req, res, self._echo_ok, self._token_ok)
         if j.verdict is Verdict.REBUILD:
@@ -428,7 +431,6 @@ class Driver:
         log.info("request %s: %s (%s)", req.id, reason, detail, extra=self._log_extra(req))
         if self.traces:
             self._trace_event(req, "rejection", reason, detail)
-        req.in_flight = False
         if req.recoveries >= self.max_rebuilds:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "NO_CAPACITY" else grpc.StatusCode.ABORTED
             self._finish(req, Failure(code, f"request state could not be verified after {req.retries} "
@@ -444,7 +446,8 @@ class Driver:
         """Ask every stage what it holds; resume requests all stages agree on, rebuild the rest."""
         for r in reqs:
             if r.fed == 0 and not r.done:   # nothing confirmed yet: send it again; stamps catch any leftovers
-                r.in_flight, r.sent, r.cached = False, None, 0
+                r.resynced()
+                r.sent, r.cached = None, 0
         reqs = [r for r in reqs if r.fed > 0 and not r.done]
         if not reqs:
             self.wake.set()
@@ -455,9 +458,11 @@ class Driver:
                                   "asking every stage what it holds")
         held = await self.pipeline.sync([r.id for r in reqs])     # per stage: request id -> HeldState
         for req in reqs:
+            if req.done:   # ended during the sync: already released (Request.end from SYNCING)
+                continue
+            req.resynced()
             states = [h.get(req.id) for h in held]
             if held_everywhere(req, states):
-                req.in_flight = False
                 req.sent = None
                 if req.recoveries >= self.max_rebuilds:
                     self._finish(req, Failure(grpc.StatusCode.ABORTED, f"request lost frames {req.recoveries + 1} "
@@ -482,11 +487,7 @@ class Driver:
                 if batch:
                     self.sched.frame_done()
                 self.counters.rejections["FRAME_LOST"] += 1
-                lost.extend(r for r in batch if not r.done)
-                for r in batch:
-                    if r.done:
-                        r.in_flight = False
-                        self._queue_release(r.id)
+                lost.extend(r for r in batch if not self._frame_over(r, lost=True))
             if lost:
                 log.warning("%d frame(s) unanswered for %.1fs: syncing %d request(s)", len(late),
                             self.frame_timeout_s, len(lost))

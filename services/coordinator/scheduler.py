@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 from services.coordinator.ledger import BlockLedger
 from tether.kv.blocks import extend_by_blocks
@@ -25,6 +26,36 @@ from tether.v1 import stage_pb2
 PRIORITY_ORDER = {"critical": 0, "standard": 1, "sheddable": 2}
 
 
+class Phase(Enum):
+    """Where a request is in its life on this pipeline (one at a time; the transitions are Request's methods).
+
+    ```
+    WAITING ──start──▶ SETTLED ──send──▶ IN_FLIGHT ──frame_over──▶ SETTLED
+       ▲                  │  ▲               │
+       │ released      preempt └─resynced─ SYNCING ◀──lose──┘
+       │                  ▼
+       └──────────── PREEMPTED                          (its Release under way: not schedulable)
+
+    end():  WAITING, PREEMPTED ──▶ DONE               (nothing of it on the stages, or already being released)
+            SETTLED, SYNCING  ──▶ RELEASING ──released──▶ DONE
+            IN_FLIGHT ──▶ ENDING ──frame_over / lose──▶ RELEASING      (ended while in flight: release it then)
+    ```
+    """
+
+    WAITING = "waiting"          # queued to start (or to start again after a preemption)
+    PREEMPTED = "preempted"      # queued, its blocks' Release not answered yet: nobody behind it starts first
+    SETTLED = "settled"          # running, no frame in flight: schedulable
+    IN_FLIGHT = "in flight"      # running, its frame is out (`sent` is its stamp)
+    SYNCING = "syncing"          # its frame was given up on; every stage is asked what it holds
+    ENDING = "ending"            # ended (finished, failed, cancelled) while its frame was in flight
+    RELEASING = "releasing"      # ended; its Release to every stage is queued or under way
+    DONE = "done"                # ended, nothing of it left on the stages (or left to their leases)
+
+
+class PhaseError(AssertionError):
+    """A transition from a phase it does not leave: a bug in the driver, never a peer's doing."""
+
+
 @dataclass(eq=False)   # identity: two requests are never the same request
 class Request:
     seq: Sequence
@@ -33,17 +64,93 @@ class Request:
     epoch: int = 1
     fed: int = 0                       # context tokens the stages hold, confirmed by an echoed stamp
     fed_hash: ContextHasher = None     # type: ignore[assignment]  # chain over those tokens
-    in_flight: bool = False
+    phase: Phase = Phase.WAITING
     retries: int = 0                   # rebuilds so far
     resumes: int = 0                   # resumes after a sync so far (they count against the same budget)
-    done: bool = False                 # finished, failed or cancelled: never scheduled again
-    sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight
+    sent: stage_pb2.Stamp | None = None   # the stamp of the frame in flight (kept until its verdict is applied)
     cached: int = 0                    # leading tokens of `sent` the stages take from their prefix cache
     arrival: int = 0                   # order of submission (preemption takes the youngest first)
     queued_at: int = 0                 # the scheduler's step when it last started waiting (priority aging)
     no_prefix: bool = False            # replay cold: a rebuild, or a cached prefix a stage could not confirm
-    preempted: bool = False            # waiting again after a preemption
-    releasing: bool = False            # preempted, and its Release not answered yet: not schedulable
+    preempted: bool = False            # waiting again after a preemption (until it starts: Stats' `preempted`)
+
+    # --- the phase machine (see Phase) ---------------------------------------------------------------
+    def _move(self, allowed: tuple[Phase, ...], to: Phase, what: str) -> None:
+        if self.phase not in allowed:
+            raise PhaseError(f"request {self.id}: {what} while {self.phase.value}")
+        self.phase = to
+
+    def start(self) -> None:
+        """It enters the running set."""
+        self._move((Phase.WAITING,), Phase.SETTLED, "start")
+        self.preempted = False
+
+    def send(self, stamp: stage_pb2.Stamp, cached: int) -> None:
+        """Its next frame goes out with `stamp`."""
+        self._move((Phase.SETTLED,), Phase.IN_FLIGHT, "send")
+        self.sent, self.cached = stamp, cached
+
+    def frame_over(self) -> bool:
+        """Its frame is over: answered (the verdict is applied next, from `sent`) or forgotten with the stream.
+        True when it had ended meanwhile: its Release must be queued now (the one place of that rule)."""
+        if self.phase is Phase.ENDING:
+            self.phase = Phase.RELEASING
+            return True
+        self._move((Phase.IN_FLIGHT,), Phase.SETTLED, "frame over")
+        return False
+
+    def lose(self) -> bool:
+        """Its frame went unanswered too long: it waits for a sync. True as for `frame_over`."""
+        if self.phase is Phase.ENDING:
+            self.phase = Phase.RELEASING
+            return True
+        self._move((Phase.IN_FLIGHT,), Phase.SYNCING, "lose its frame")
+        return False
+
+    def resynced(self) -> None:
+        """A sync (or a reconnect) decided how it goes on: resend, resume or rebuild; schedulable again."""
+        self._move((Phase.SYNCING, Phase.SETTLED), Phase.SETTLED, "resync")
+
+    def preempt(self) -> None:
+        """Its blocks are taken back: it waits (for the Release, then for room) to be recomputed."""
+        self._move((Phase.SETTLED,), Phase.PREEMPTED, "preempt")
+        self.preempted = True
+
+    def end(self) -> bool:
+        """Finished, failed or cancelled: never scheduled again. True when its Release must be queued now
+        (it holds state on the stages and no frame of it is out). Ending an ended request changes nothing."""
+        if self.done:
+            return False
+        if self.phase in (Phase.WAITING, Phase.PREEMPTED):
+            self.phase = Phase.DONE
+            return False
+        if self.phase is Phase.IN_FLIGHT:
+            self.phase = Phase.ENDING
+            return False
+        self._move((Phase.SETTLED, Phase.SYNCING), Phase.RELEASING, "end")
+        return True
+
+    def released(self) -> None:
+        """Every stage answered its Release (or the stages' leases are left to free it)."""
+        if self.phase is Phase.PREEMPTED:
+            self.phase = Phase.WAITING
+        elif self.phase is Phase.RELEASING:
+            self.phase = Phase.DONE
+
+    @property
+    def in_flight(self) -> bool:
+        """A frame of it is out or unaccounted for: it is not schedulable, and not releasable yet."""
+        return self.phase in (Phase.IN_FLIGHT, Phase.SYNCING, Phase.ENDING)
+
+    @property
+    def done(self) -> bool:
+        """Ended: never scheduled again."""
+        return self.phase in (Phase.ENDING, Phase.RELEASING, Phase.DONE)
+
+    @property
+    def releasing(self) -> bool:
+        """Preempted, and its Release not answered yet: not schedulable."""
+        return self.phase is Phase.PREEMPTED
 
     def __post_init__(self) -> None:
         if self.fed_hash is None:
@@ -99,7 +206,6 @@ class Request:
         self.fed = self.fed_hash.length
         self.sent = None
         self.cached = 0
-        self.in_flight = False
 
     def restart(self) -> None:
         """Start this request's state over under a new epoch: the whole context is replayed."""
@@ -109,7 +215,6 @@ class Request:
         self.block_ends = []
         self.sent = None
         self.cached = 0
-        self.in_flight = False
 
     def rebuild(self, charge: bool = True) -> None:
         """Replay after something went wrong (counted against the recovery budget unless `charge` is False),
@@ -170,6 +275,8 @@ class Scheduler:
     preempted: list[Request] = field(default_factory=list)
     impossible: list[Request] = field(default_factory=list)
     steps: int = 0                     # micro-batches scheduled so far (the clock of priority aging)
+    # Ended requests whose Release is queued or under way (RELEASING), until every stage has answered.
+    ended: dict[str, Request] = field(default_factory=dict)
     _arrivals: int = 0
 
     def add(self, req: Request) -> None:
@@ -178,13 +285,15 @@ class Scheduler:
         req.queued_at = self.steps
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        req.done = True
+    def remove(self, req: Request) -> bool:
+        """It ended: out of the queues for good. True when its Release must be queued now (`Request.end`)."""
+        release = req.end()
         self.running.pop(req.id, None)
         try:
             self.waiting.remove(req)
         except ValueError:
             pass
+        return release
 
     def has_room(self) -> bool:
         return self.frames_in_flight < self.num_stages
@@ -203,9 +312,12 @@ class Scheduler:
         """Every stage answered the Release of `request_id`: its blocks are free, and if it was preempted it
         may start again."""
         self.ledger.release_done(request_id)
+        ended = self.ended.pop(request_id, None)
+        if ended is not None:
+            ended.released()
         for req in self.waiting:
             if req.id == request_id and req.releasing:
-                req.releasing = False
+                req.released()
 
     def next_batch(self) -> list[Request]:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
@@ -230,7 +342,7 @@ class Scheduler:
         for req in list(self.running.values()):
             if len(batch) >= share or tokens >= self.max_tokens:
                 break
-            if req.in_flight or req.done or req.id not in self.running:
+            if req.phase is not Phase.SETTLED or req.id not in self.running:
                 continue
             n = min(req.pending, self.max_tokens - tokens)
             if n > 1:
@@ -240,7 +352,7 @@ class Scheduler:
             if not self._make_room(req, req.fed + n, batch):
                 continue
             self.ledger.hold(req.id, req.fed + n)
-            req.sent, req.cached = req.stamp(n), 0
+            req.send(req.stamp(n), 0)
             batch.append(req)
             tokens += n
         if self.waiting:
@@ -260,7 +372,6 @@ class Scheduler:
                 batch.append(req)
                 tokens += n
         for req in batch:
-            req.in_flight = True
             self.figures.computed_tokens += len(req.sent.token_ids) - req.cached
         if batch:
             self.frames_in_flight += 1
@@ -282,9 +393,9 @@ class Scheduler:
         self.ledger.hold(req.id, positions)
         self.waiting.remove(req)
         self.running[req.id] = req
-        req.preempted = False
+        req.start()
         n = min(len(ids) - cached, rows)
-        req.sent, req.cached = req.stamp(n, cached), cached
+        req.send(req.stamp(n, cached), cached)
         f = self.figures
         f.prompt_tokens += len(ids)
         if consult:
@@ -302,7 +413,7 @@ class Scheduler:
             if self.ledger.need(req.id, positions) <= self.ledger.pool.available + self.ledger.coming_back():
                 return False           # a preemption's Release is under way: wait for it, preempt no one else
             taken = {id(r) for r in batch}
-            candidates = [r for r in self.running.values() if not r.in_flight and not r.done and id(r) not in taken]
+            candidates = [r for r in self.running.values() if r.phase is Phase.SETTLED and id(r) not in taken]
             if not candidates:
                 return False
             victim = max(candidates, key=rank)
@@ -317,7 +428,7 @@ class Scheduler:
         del self.running[req.id]
         self.ledger.release_begin(req.id)
         req.restart()
-        req.preempted = req.releasing = True
+        req.preempt()
         req.queued_at = self.steps
         self.waiting.appendleft(req)
         self.preempted.append(req)

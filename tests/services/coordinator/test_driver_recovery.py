@@ -76,3 +76,38 @@ def test_resumes_count_against_the_recovery_budget(kit):
     out, c = asyncio.run(_run_one(kit, lambda seq: "before" if seq >= 2 else None, max_rebuilds=2))
     assert isinstance(out[-1], Failure) and out[-1].code == grpc.StatusCode.ABORTED
     assert "lost frames" in out[-1].message and c.resumes == 2
+
+
+def test_a_request_cancelled_while_its_lost_frame_is_synced_is_released(kit):
+    """Phase SYNCING: its frame was given up on and every stage is being asked what it holds; cancelled then,
+    it is released at once (Request.end) and the sync's answer is ignored for it."""
+    answer, held = fake_stage(lambda seq: "before" if seq == 2 else None)
+    syncing, answered = asyncio.Event(), asyncio.Event()
+
+    async def sync(ids):
+        syncing.set()
+        await answered.wait()
+        return await held(ids)
+
+    async def go():
+        from services.coordinator.driver import Driver
+        from services.coordinator.scheduler import Phase
+        from tether import supervise
+        pipe = kit.FakePipeline(answer)
+        pipe.sync = sync
+        driver = Driver(pipe, frame_timeout_s=0.3)
+        task = supervise.start("driver", driver.run, driver.crashed, restart_s=0)
+        await kit.until(lambda: driver.serving)
+        req = kit.request("r1", max_tokens=4)
+        driver.submit(req)
+        await asyncio.wait_for(syncing.wait(), 10)
+        assert req.phase is Phase.SYNCING and "r1" not in pipe.released
+        assert driver.cancel("r1")
+        await kit.until(lambda: "r1" in pipe.released)   # released now, not after the sync
+        answered.set()
+        await kit.until(lambda: req.phase is Phase.DONE)
+        task.cancel()
+        return pipe, driver
+
+    pipe, driver = asyncio.run(go())
+    assert pipe.released.count("r1") == 1 and driver.sched.ledger.used == 0

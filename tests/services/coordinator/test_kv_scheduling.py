@@ -39,6 +39,7 @@ def complete(s: Scheduler, batch: list[Request], token: int = 66) -> None:
     for r in batch:
         assert r.echo_matches(echo(r.sent))
         samples = r.samples
+        r.frame_over()
         s.confirmed(r)
         if samples:
             r.seq.append(token)
@@ -148,7 +149,7 @@ def test_a_preempted_request_waits_for_its_release_then_recomputes_its_whole_con
     s._preempt(b)                                  # (as _make_room does when decode growth runs out)
     assert b.preempted and b.releasing and s.preempted == [b] and s.waiting[0] is b
     assert b.epoch == 2 and b.fed == 0 and b.retries == 0        # not charged to its budget
-    a.in_flight = True                             # a's next frame is out; the stages have room for b
+    a.send(a.stamp(), 0)                           # a's next frame is out; the stages have room for b
     assert s.next_batch() == [] and b.id not in s.running        # but its Release is not answered yet
     s.released(b.id)                               # every stage answered it
     assert not b.releasing
@@ -179,7 +180,7 @@ def test_one_preemption_at_a_time_and_the_room_goes_to_whoever_needed_it():
 
 def test_a_request_preempts_itself_when_everyone_else_outranks_it():
     s, hi, lo = critical_and_sheddable_in_two_blocks()
-    hi.in_flight = True                            # hi's next frame is out: lo can only preempt itself
+    hi.send(hi.stamp(), 0)                         # hi's next frame is out: lo can only preempt itself
     s.running.pop("hi")
     s.running["hi"] = hi                           # lo is first in running order now
     batch = s.next_batch()

@@ -39,6 +39,7 @@ def run_steps(s: Scheduler, steps: int) -> list[str]:
         for r in batch:
             assert r.echo_matches(echo(r.sent))
             samples = r.samples
+            r.frame_over()
             s.confirmed(r)
             if samples:
                 r.seq.append(66)

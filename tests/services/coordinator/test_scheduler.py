@@ -31,6 +31,7 @@ def complete(sched: Scheduler, batch: list[Request], token: int = 66) -> None:
     for r in batch:
         assert r.echo_matches(echo(r.sent))
         samples = r.samples
+        r.frame_over()
         r.confirm()
         if samples:
             r.seq.append(token)
@@ -113,8 +114,8 @@ def test_invariants_under_random_traffic(seed):
             b = in_flight.pop(rng.randrange(len(in_flight)))
             sched.frame_done()
             for r in b:
-                if r.done:                              # cancelled while in flight
-                    r.in_flight = False
+                if r.frame_over():                      # cancelled while in flight
+                    pass
                 elif rng.random() < 0.2:
                     r.rebuild()
                 else:
@@ -217,6 +218,7 @@ def test_stamp_confirm_and_fed_hash():
     assert r.sent.parent_hash == context_hash(SEED, []) and r.sent.context_hash == context_hash(SEED, prompt)
     assert r.fed == 0
     sched.frame_done()
+    r.frame_over()
     r.confirm()
     assert r.fed == 6 and r.fed_hash.value == context_hash(SEED, prompt)
     assert not r.in_flight and r.sent is None
@@ -228,6 +230,7 @@ def test_stamp_confirm_and_fed_hash():
     [again] = sched.next_batch()
     assert again is r and r.sent == s
     sched.frame_done()
+    r.frame_over()
     r.confirm()
     assert r.fed == 7 and r.fed_hash.value == context_hash(SEED, prompt + [70])
 
@@ -238,10 +241,12 @@ def test_rebuild_bumps_epoch_and_replays_from_zero():
     sched.add(r)
     sched.next_batch()
     sched.frame_done()
+    r.frame_over()
     r.confirm()
     r.seq.append(70)
     sched.next_batch()                       # in flight with position 5 ...
     sched.frame_done()
+    r.frame_over()
     r.rebuild()                              # ... and rejected
     assert r.epoch == 2 and r.fed == 0 and r.retries == 1 and not r.in_flight and r.sent is None
     assert r.fed_hash.length == 0 and r.fed_hash.value == context_hash(SEED, [])
