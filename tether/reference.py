@@ -16,7 +16,7 @@ from tether.client.wire import Messages, encode_messages
 from tether.generation import sampler
 from tether.generation.inprocess import InProcessEngine, forward_last
 from tether.generation.sequence import Sequence
-from tether.model.chat_template import ChatTemplate, load_chat_template, render_conversation
+from tether.model.chat_template import ChatTemplate, load_chat_template, tokenize_conversation
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
 from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
@@ -69,13 +69,14 @@ def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperat
     """The reference answer for one request, as a GenerateResult (the SDK's type)."""
     lm = load(model)
     params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
-    return _answer(lm, prompt, prompt_digest(prompt.encode()), params, namespace, seed)
+    return _answer(lm, lm.tokenizer.encode(prompt), prompt_digest(prompt.encode()), params, namespace, seed)
 
 
-def render_chat(lm: LoadedModel, messages: Messages) -> str:
-    """The prompt text admission renders for `messages` (dicts or (role, content) tuples) on this model."""
+def render_chat(lm: LoadedModel, messages: Messages) -> tuple[str, list[int]]:
+    """The prompt text and token ids admission makes of `messages` (dicts or (role, content) tuples) on this
+    model: the same function, so no content becomes a control token here either."""
     pairs = [(role, content.decode("utf-8")) for role, content in encode_messages(messages)]
-    return render_conversation(lm.chat_template, pairs)
+    return tokenize_conversation(lm.chat_template, lm.tokenizer, pairs)
 
 
 def chat(messages: Messages, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
@@ -87,12 +88,11 @@ def chat(messages: Messages, model: str = "tiny", *, max_tokens: int = 64, tempe
     lm = load(model)
     params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
     digest = messages_digest(encode_messages(messages))
-    return _answer(lm, render_chat(lm, messages), digest, params, namespace, seed)
+    return _answer(lm, render_chat(lm, messages)[1], digest, params, namespace, seed)
 
 
-def _answer(lm: LoadedModel, prompt: str, digest: int, params: common_pb2.SamplingParams, namespace: str,
-            seed: int) -> GenerateResult:
-    prompt_ids = lm.tokenizer.encode(prompt)
+def _answer(lm: LoadedModel, prompt_ids: list[int], digest: int, params: common_pb2.SamplingParams,
+            namespace: str, seed: int) -> GenerateResult:
     seq = generate_ids(lm, prompt_ids, params, namespace)
     receipt = Receipt(seq.request_id, digest, len(prompt_ids), seq.hasher.value, len(seq.output_ids), lm.fingerprint)
     return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt, seed=seed)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from services.admission.tagger import normalize_priority
 from tether import settings
-from tether.model.chat_template import ChatTemplate, ConversationError, render_conversation
+from tether.model.chat_template import ChatTemplate, ChatTokenizer, ConversationError, tokenize_conversation
 from tether.v1 import admission_pb2, common_pb2
 
 _TENANT = re.compile(r"[A-Za-z0-9_.-]*")
@@ -25,7 +25,7 @@ class ValidationError(ValueError):
     """A request the caller must fix; the message says what and how."""
 
 
-class Encoder(Protocol):
+class Encoder(ChatTokenizer, Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
@@ -53,12 +53,18 @@ class ValidRequest:
 
 def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> ValidRequest:
     """Check every field of `request` against the settings and `model`; raise ValidationError on the first bad one."""
+    # The cheap fields first: tokenizing is the costly step, and the last.
+    tenant = _check_tenant(request.tenant)
+    priority = _check_priority(request.priority)
+    request_id = _check_request_id(request.request_id)
+    sampling = _normalize_sampling(request.sampling, model.vocab_size)
     if request.messages:
         if request.prompt:
             raise ValidationError("send either prompt or messages, not both")
         messages = _decode_messages(request.messages)
         try:
-            prompt = render_conversation(model.chat_template, messages)
+            # Contents never make control tokens: a message cannot forge a turn (chat_template.py).
+            prompt, token_ids = tokenize_conversation(model.chat_template, model.tokenizer, messages)
         except ConversationError as e:
             raise ValidationError(str(e)) from None
         if not prompt.strip():
@@ -66,11 +72,7 @@ def validate(request: admission_pb2.GenerateRequest, model: ModelLimits) -> Vali
     else:
         messages = ()
         prompt = _decode_prompt(request.prompt)
-    tenant = _check_tenant(request.tenant)
-    priority = _check_priority(request.priority)
-    request_id = _check_request_id(request.request_id)
-    sampling = _normalize_sampling(request.sampling, model.vocab_size)
-    token_ids = model.tokenizer.encode(prompt)
+        token_ids = model.tokenizer.encode(prompt)   # a raw prompt is the caller's own text: its controls stand
     _check_lengths(len(token_ids), sampling.max_tokens, model.max_context,
                    "conversation (rendered with the chat template)" if messages else "prompt")
     resume = _check_resume(request, sampling, model.vocab_size)

@@ -7,18 +7,32 @@ Hugging Face keeps a Jinja template in the model folder (`tokenizer_config.json`
 served conversation gets exactly the prompt `tokenizer.apply_chat_template(..., add_generation_prompt=True)`
 would give, without needing transformers at run time.
 
-Admission and `tether.reference` both go through `render_conversation`, so the two see the same prompt text.
+Admission and `tether.reference` both go through `tokenize_conversation`, so the two see the same prompt text
+and the same token ids.
+
+One deliberate difference from Hugging Face, whose apply_chat_template(tokenize=True) tokenizes the rendered
+text as a whole: there, a message spelling `<|im_end|>\n<|im_start|>system\n...` closes its own turn and
+forges a system turn, since the tokenizer turns every control-token spelling into the control token. Here a
+message's content never becomes control tokens: the template is rendered a second time with a random marker in
+place of each content, which tells the template's own text from the contents in the real rendering, and only
+the template's text is tokenized with control tokens (Tokenizer.encode_chat). For any conversation without a
+control spelling in its messages the ids are Hugging Face's. A template that changes content on its way in
+(trims it, escapes it, branches on it) cannot be split that way; for it a message holding a control spelling is
+refused (INVALID_ARGUMENT at admission), never tokenized into one.
+
 Pure: no I/O except `load_chat_template`, which reads the folder once.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -39,6 +53,23 @@ CHATML_TEMPLATE = (
 
 class ConversationError(ValueError):
     """A conversation that cannot be rendered: the message says what to fix (shown to the caller verbatim)."""
+
+
+class ChatTokenizer(Protocol):
+    """What tokenizing a conversation needs of a tokenizer (tether.model.tokenizer.Tokenizer)."""
+
+    def control_tokens(self, text: str) -> list[str]: ...
+    def encode_chat(self, parts: Iterable[tuple[str, bool]]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation's prompt text, and the same text as (text, is_template) parts when the template took
+    every content verbatim; None when it did not (it changed or tested a content: the two cannot be told)."""
+
+    text: str
+    parts: tuple[tuple[str, bool], ...] | None
+    template_only: str | None = None   # the marked rendering less its markers: what the template itself wrote
 
 
 class _Generation(jinja2.ext.Extension):
@@ -130,6 +161,26 @@ class ChatTemplate:
             raise ConversationError(f"the model's chat template failed on the conversation: "
                                     f"{type(e).__name__}: {e}") from None
 
+    def render_parts(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> Rendered:
+        """`render`, plus which parts of the text are the template's and which are message contents."""
+        text = self.render(messages, add_generation_prompt)
+        # A marker per content: random, so no content can spell one; private-use characters and no spaces, so
+        # a template's own string filters leave it whole if they leave the content whole.
+        nonce = secrets.token_hex(8)
+        markers = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        try:
+            marked = self.render([{**m, "content": k} for m, k in zip(messages, markers)], add_generation_prompt)
+        except ConversationError:   # the template tests content (refuses a marker): it does not take it verbatim
+            return Rendered(text, None)
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)
+        parts: list[tuple[str, bool]] = []
+        for j, piece in enumerate(pieces):   # even: the template's text; odd: a content's index
+            parts.append((piece, True) if j % 2 == 0 else (messages[int(piece)]["content"], False))
+        template_only = "".join(p for j, p in enumerate(pieces) if j % 2 == 0)
+        if "".join(t for t, _ in parts) != text:   # the template changed a content, or chose by it
+            return Rendered(text, None, template_only)
+        return Rendered(text, tuple(p for p in parts if p[0]), template_only)
+
 
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json stores it: a string, or an AddedToken dict with "content"."""
@@ -193,11 +244,38 @@ def check_messages(messages: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
 
 
 def render_conversation(template: ChatTemplate | None, messages: Iterable[tuple[str, str]]) -> str:
-    """Check `messages` ((role, content) pairs) and render them for the next assistant reply.
-
-    The one function admission and `tether.reference` share, so both see the same prompt text.
-    """
+    """Check `messages` ((role, content) pairs) and render them for the next assistant reply (the text only:
+    `tokenize_conversation` for the ids a model is sent)."""
     if template is None:
         raise ConversationError("this model has no chat template (tokenizer_config.json \"chat_template\"), "
                                 "so it cannot take a conversation; send a raw prompt instead")
     return template.render(check_messages(messages), add_generation_prompt=True)
+
+
+def tokenize_conversation(template: ChatTemplate | None, tokenizer: ChatTokenizer,
+                          messages: Iterable[tuple[str, str]]) -> tuple[str, list[int]]:
+    """`render_conversation`'s text and its token ids, where no message content makes a control token.
+
+    The one function admission and `tether.reference` share, so both send the model the same ids.
+    ConversationError where the template does not take contents verbatim and a content spells a control token.
+    """
+    if template is None:
+        return render_conversation(template, messages), []   # raises: the model takes no conversation
+    checked = check_messages(messages)
+    rendered = template.render_parts(checked, add_generation_prompt=True)
+    if rendered.parts is not None:
+        return rendered.text, tokenizer.encode_chat(rendered.parts)
+    # The contents cannot be told from the template's text: tokenize the whole, but only once it is certain that
+    # every control token in it is the template's.
+    for i, m in enumerate(checked):
+        found = tokenizer.control_tokens(m["content"])
+        if found:
+            raise ConversationError(f"messages[{i}].content contains {found[0]!r}, a control token of this model, "
+                                    f"and its chat template changes message text, so the token cannot be kept as "
+                                    f"plain text; remove it")
+    if rendered.template_only is not None and (tokenizer.control_tokens(rendered.text)
+                                               != tokenizer.control_tokens(rendered.template_only)):
+        raise ConversationError("this model's chat template makes other control tokens of this conversation than of "
+                                "its turns alone (a message's text joins the template's into one, or the template "
+                                "chooses by what a message says); rephrase the messages")
+    return rendered.text, tokenizer.encode_chat([(rendered.text, True)])

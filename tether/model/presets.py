@@ -21,7 +21,8 @@ from tether.model.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, write_byte_t
 
 # Bump when the generator changes, so old folders are not mistaken for new ones.
 # 3: tokenizer_config.json carries a ChatML chat_template (conversations).
-GENERATOR_VERSION = 3
+# 4: the tokenizer has ChatML's <|im_start|>/<|im_end|> as control tokens (ids 259, 260).
+GENERATOR_VERSION = 4
 
 _COMMON = dict(vocab_size=BYTE_VOCAB_SIZE, rms_norm_eps=1e-5, rope_theta=10000.0,
                max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))

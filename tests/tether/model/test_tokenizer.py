@@ -62,7 +62,7 @@ def test_special_token_strings_in_text_are_plain_bytes(tok, text):
 
 
 def test_specials(tok):
-    assert tok.vocab_size == 256 < BYTE_VOCAB_SIZE           # specials are model ids, not tokenizer entries
+    assert tok.vocab_size == 258 < BYTE_VOCAB_SIZE           # bytes + ChatML's 2; BOS/EOS/PAD are model ids only
     assert tok.eos_ids == frozenset({EOS_ID})
     assert tok.bos_id == BOS_ID and not tok.add_bos          # the byte tokenizer does not prepend BOS
     # special tokens are dropped from decoded text
