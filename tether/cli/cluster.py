@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -51,6 +52,22 @@ def wait_serving(channel: grpc.Channel, timeout: float, before_each: Callable[[]
     return False
 
 
+def listening(address: str) -> bool:
+    """Whether something accepts TCP connections at HOST:PORT (a child that got as far as serving)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class StartupSupervisor(Protocol):
+    """What start-up hands a dead child that had come up to (tether/cli/supervisor.py `Supervisor`)."""
+
+    def poll(self, now: float) -> None: ...
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -65,6 +82,7 @@ class Service:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     metrics_address: str | None = None   # HOST:PORT of its /metrics, when metrics are on
+    came_up: bool = False                # it has listened on its port (since its first spawn): a healthy child
 
     @property
     def metrics_url(self) -> str | None:
@@ -162,7 +180,15 @@ class LocalCluster:
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
-    def start(self, timeout: float = 120.0) -> "LocalCluster":
+    def start(self, timeout: float = 120.0, supervisor: StartupSupervisor | None = None) -> "LocalCluster":
+        """Launch every child and wait until admission is SERVING. With `supervisor`, a child that came up and
+        then died meanwhile is restarted by it like any other (only one that never came up fails the start)."""
+        self.launch()
+        self.wait_ready(timeout, supervisor=supervisor)
+        return self
+
+    def launch(self) -> "LocalCluster":
+        """Build every child's command and spawn them all (no waiting)."""
         folder = resolve_model(self.model)      # generate a preset once, before children race for it
         if self.tls:
             if self.tls_dir is None:
@@ -188,7 +214,6 @@ class LocalCluster:
             tls_dir=self.tls_dir if self.tls else None)
         for svc in self.services:
             self.spawn(svc)
-        self.wait_ready(timeout)
         return self
 
     def spawn(self, svc: Service) -> None:
@@ -204,16 +229,27 @@ class LocalCluster:
         if out is not None:
             out.close()
 
-    def wait_ready(self, timeout: float, name: str = "admission") -> None:
-        """Block until the service reports SERVING (for admission: the whole pipeline is up)."""
+    def wait_ready(self, timeout: float, name: str = "admission",
+                   supervisor: StartupSupervisor | None = None) -> None:
+        """Block until the service reports SERVING (for admission: a pipeline is up). A child that exits before
+        it ever listened fails the start (a bad flag, a port taken, a model that does not load: restarting
+        would fail the same way); one that had come up is a crash like any later one: `supervisor` restarts it
+        (without one, nothing would, so it fails the start too)."""
         svc = self.service(name)
 
-        def none_exited() -> None:
+        def check_children() -> None:
             for s in self.services:
-                if s.proc is not None and s.proc.poll() is not None:
-                    raise RuntimeError(f"{s.name} exited with {s.proc.returncode} during start-up\n{s.log_tail()}")
+                if s.proc is None:
+                    continue
+                if not s.came_up and s.proc.poll() is None and listening(s.address):
+                    s.came_up = True
+                if s.proc.poll() is not None and (supervisor is None or not s.came_up):
+                    when = "during start-up" if not s.came_up else "after it came up, with nothing to restart it"
+                    raise RuntimeError(f"{s.name} exited with {s.proc.returncode} {when}\n{s.log_tail()}")
+            if supervisor is not None:
+                supervisor.poll(time.monotonic())
         with self.channel(name) as ch:
-            if wait_serving(ch, timeout, before_each=none_exited):
+            if wait_serving(ch, timeout, before_each=check_children):
                 return
         raise TimeoutError(f"{name} at {svc.address} not SERVING after {timeout:.0f}s\n{svc.log_tail()}")
 

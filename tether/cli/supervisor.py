@@ -112,12 +112,18 @@ class Supervisor:
         self.policy = policy
         self.say = say
         self.log_lines = log_lines
-        self.history = {s.name: CrashHistory(policy, now) for s in cluster.services}
+        # per child, from its first poll: the supervisor may start before the cluster has built its children
+        self.history: dict[str, CrashHistory] = {}
+        self.started_at = now
         self.due: dict[str, float] = {}   # name -> when its restart is due (dead, waiting out the backoff)
         self.restarts = 0
 
     def poll(self, now: float) -> None:
         for svc in self.cluster.services:
+            if svc.proc is None:   # not spawned yet
+                continue
+            if svc.name not in self.history:
+                self.history[svc.name] = CrashHistory(self.policy, max(now, self.started_at))
             if svc.name in self.due:
                 if now >= self.due[svc.name]:
                     del self.due[svc.name]

@@ -177,8 +177,12 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting tether: model {args.model}, {args.pipelines} pipeline(s) of {args.stages} stage(s), "
           f"{threads} thread(s) each ...", flush=True)
+    # Supervised from the start: a child that came up and then died while the others still start is restarted
+    # like any later crash; only one that never came up fails the start. From this (the spawning) thread:
+    # children die with it (PR_SET_PDEATHSIG, tether/procutil.py).
+    supervisor = Supervisor(cluster, policy, time.monotonic(), say=lambda m: print(m, flush=True))
     try:
-        cluster.start(timeout=args.timeout)
+        cluster.start(timeout=args.timeout, supervisor=supervisor)
         for svc in cluster.services:
             metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
             print(f"  {svc.name:<15} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
@@ -190,8 +194,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"on the internal services", flush=True)
         if args.demo:
             run_demo(cluster.target, args.model, cluster.tls_dir if cluster.tls else None)
-        # Supervise from this (the spawning) thread: children die with it (PR_SET_PDEATHSIG, tether/procutil.py).
-        supervisor = Supervisor(cluster, policy, time.monotonic(), say=lambda m: print(m, flush=True))
         while not stop.wait(POLL_S):
             supervisor.poll(time.monotonic())
     except GaveUp as e:
