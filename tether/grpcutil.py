@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tether import settings
+from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,18 @@ def server_options(max_message_bytes: int, max_connection_age_s: float | None) -
 
 
 def channel(target: str, max_message_bytes: int = settings.GRPC_MAX_MESSAGE_BYTES,
-            tls: TlsConfig | None = None, server_name: str | None = None) -> grpc.aio.Channel:
-    """A channel from one service to another: with `tls`, verified against its CA and presenting its certificate;
-    `server_name` is the name the peer's certificate must carry when `target` is an address it does not name."""
+            tls: TlsConfig | None = None, expect: Identity | None = None) -> grpc.aio.Channel:
+    """A channel from one service to another. With `tls`: verified against its CA, presenting our certificate,
+    and the server must be `expect` (required): gRPC's TLS layer verifies its certificate under
+    `expect.server_name`, which only that identity's certificate carries, on every connection the channel makes
+    (a server swapped in after a first check is verified again). A server that fails it is never sent a byte of
+    a call; tether/security/server_check.py explains such a refusal."""
     options = message_options(max_message_bytes) + KEEPALIVE_OPTIONS
-    if tls is not None and server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options)
+    if expect is None:
+        raise ValueError(f"a TLS channel to {target} must say which service identity it expects there")
+    options.append(("grpc.ssl_target_name_override", expect.server_name))
     return grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
 
 

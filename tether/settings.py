@@ -139,6 +139,9 @@ TLS_CA_ENV = "TETHER_TLS_CA"
 TLS_CERT_ENV = "TETHER_TLS_CERT"
 TLS_KEY_ENV = "TETHER_TLS_KEY"
 TLS_TRUST_DOMAIN = "tether.local"   # identities are spiffe://tether.local/<role>[/<name>] URI SANs
+# A service's certificate also carries the DNS name <role>[-<name>].id.tether.local, and no other certificate
+# does: every channel between services verifies the server under the name of the role it expects (SECURITY.md).
+TLS_SERVER_NAME_DOMAIN = f"id.{TLS_TRUST_DOMAIN}"
 TLS_CA_DAYS = 3650                  # `tether certs init`: the local CA's lifetime
 TLS_CERT_DAYS = 365                 # and each service certificate's
 TLS_CLIENT_AUTH = ("none", "require")   # admission's --tls-client-auth (internal services always require)

@@ -26,6 +26,7 @@ from services.admission.limits import Refusal, shed_by_deadline
 from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
 from tether import settings, supervise
 from tether.grpcutil import channel
+from tether.security import identity, server_check
 from tether.security.tls import TlsConfig
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -87,12 +88,13 @@ class PipelineLink:
     """One coordinator, as admission sees it."""
 
     def __init__(self, address: str, roles: frozenset[str], session_factory: Callable, fingerprint: str,
-                 breaker: CircuitBreaker | None = None, tls: TlsConfig | None = None,
-                 server_name: str | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, tls: TlsConfig | None = None) -> None:
         self.address = address
-        # With TLS: verified against the CA, presenting admission's certificate (the only caller a coordinator
-        # serves); a pipeline discovered by IP is verified under its DNS name (`server_name`).
-        self.channel = channel(address, settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=tls, server_name=server_name)
+        self.tls = tls
+        # With TLS: presenting admission's certificate (the only caller a coordinator serves), and the server
+        # must be spiffe://tether.local/coordinator (verified by TLS under its server name on every connection,
+        # whatever the address: configured or discovered by IP), or it is never sent a prompt.
+        self.channel = channel(address, settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=tls, expect=identity.COORDINATOR)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.session = session_factory(self.stub)
         self.fingerprint = fingerprint
@@ -145,8 +147,6 @@ class Pipelines:
         self.names = [(a.removeprefix(DNS_PREFIX), roles) for a, roles in coordinators if a.startswith(DNS_PREFIX)]
         self.links = {a: PipelineLink(a, roles, session_factory, fingerprint, tls=tls)
                       for a, roles in coordinators if not a.startswith(DNS_PREFIX)}
-        # Discovered pipelines are pod addresses: their certificates name the DNS name they were found under.
-        self.discovered_name = self.names[0][0].rpartition(":")[0] if self.names else None
         self.router = Router(policy)
         self.watch_interval_s = watch_interval_s
         self.changed = asyncio.Event()           # a pipeline's routability changed (admission's health follows)
@@ -173,8 +173,7 @@ class Pipelines:
         for address, roles in resolved.items():
             if address not in self.links:
                 link = self.retired.pop(address, None) or PipelineLink(
-                    address, roles, self.session_factory, self.fingerprint, tls=self.tls,
-                    server_name=self.discovered_name)
+                    address, roles, self.session_factory, self.fingerprint, tls=self.tls)
                 link.discovered = True
                 self.links[address] = link
                 self._follow(link)
@@ -236,7 +235,9 @@ class Pipelines:
                         self.changed.set()
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the coordinator ended Watch")
             except grpc.aio.AioRpcError as e:
-                link.down(f"coordinator unreachable: {e.code().name} {e.details()}")
+                why = await server_check.refusal(link.address, link.tls, identity.COORDINATOR)
+                link.down(f"refused the server as a coordinator: {why}" if why is not None else
+                          f"coordinator unreachable: {e.code().name} {e.details()}")
             if was:
                 self.changed.set()
             await asyncio.sleep(settings.READINESS_POLL_S)

@@ -10,6 +10,7 @@ import grpc
 
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, OutboundFaults, crash
+from tether.security import identity, server_check
 from tether.security.tls import TlsConfig
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2, stage_pb2_grpc
@@ -29,8 +30,13 @@ class Pipeline:
         self.addresses = addresses
         self.fingerprint = fingerprint
         self.dtype = dtype
-        # With TLS every call presents our certificate: the stages take handshakes and frames from it alone.
-        self.channels = {a: grpcutil.channel(a, tls=tls) for a in addresses}
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"a stage address appears twice in the route {', '.join(addresses)}")
+        # With TLS every call presents our certificate (the stages take handshakes and frames from it alone),
+        # and the server at route position i must be spiffe://tether.local/stage/i: anyone else holding a
+        # certificate of the CA is refused before it is sent a byte (no stamp key, no prompt).
+        self.tls = tls
+        self.channels = {a: grpcutil.channel(a, tls=tls, expect=identity.stage(i)) for i, a in enumerate(addresses)}
         self.epoch = 0
         self.stamp_key = StampKey.generate()   # replaced at every handshake; only stages of that handshake know it
         self.stages: list[stage_pb2.StageInfo] = []
@@ -69,6 +75,10 @@ class Pipeline:
         except grpc.aio.AioRpcError as e:
             if "unreachable from stage" in (e.details() or ""):
                 raise PipelineDown(f"pipeline not assembled: {e.details()}") from None
+            why = await server_check.refusal(self.addresses[0], self.tls, identity.stage(0))
+            if why is not None:
+                raise PipelineDown(f"refused the server at {self.addresses[0]} as stage 0: {why}; the pipeline "
+                                   f"stays down until stage 0 itself serves there") from None
             raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
         if not reply.ok:
             raise PipelineDown(f"pipeline refused: {reply.error}")

@@ -26,7 +26,7 @@ from services.stage_worker.relay import DONE, Relay
 from services.stage_worker.worker import StageTraces, StageWorker, StepOutcome
 from tether import grpcutil, settings
 from tether.faults import FaultInjector, crash
-from tether.security import identity
+from tether.security import identity, server_check
 from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
 from tether.protocol.stamp_key import KEY_BYTES, StampKey
@@ -45,6 +45,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                  max_streams_per_peer: int = settings.MAX_STREAMS_PER_PEER, tls: TlsConfig | None = None) -> None:
         self.worker = worker
         self.tls = tls                                    # for the channel to the next stage (our certificate)
+        # With TLS the stage's position is the one its own certificate names (stage/<i>): who may handshake it
+        # (authz.py reads it), the index a handshake must give it, and the next hop's identity (stage/<i+1>).
+        self.position: int | None = None
+        if tls is not None:
+            own = identity.of_certificate(tls.cert)
+            self.position = identity.stage_index(own)
+            if self.position is None:
+                raise ValueError(f"a stage's --tls-cert must name spiffe://{settings.TLS_TRUST_DOMAIN}/stage/<i> "
+                                 f"(`tether certs init` stage-<i>.pem); this one names {own or 'no identity'}")
+            worker.index = self.position
         # Who sent the handshake accepted last (None in plaintext): the only peer whose frames are served
         # (tether/security/authz.py reads it).
         self.handshake_peer: Identity | None = None
@@ -99,6 +109,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             return f"{who} needs a {KEY_BYTES}-byte stamp key, got {len(req.stamp_key)} bytes"
         if req.index >= len(req.route):
             return f"{who} is not in the route"
+        if self.position is not None and req.index != self.position:
+            return (f"this stage is stage {self.position} by its certificate, but the handshake places it at "
+                    f"position {req.index} of the route")
         if m.layer_start != req.prev_layer_end:
             kind = "gap" if m.layer_start > req.prev_layer_end else "overlap"
             return (f"{who} holds layers [{m.layer_start}, {m.layer_end}) but the previous stage ends at "
@@ -122,10 +135,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         stages = [self.info()]
         if request.index + 1 < len(request.route):
             nxt = request.route[request.index + 1].address
+            expect = identity.stage(request.index + 1)   # verified by TLS on every connection (grpcutil.channel)
             if nxt != self.next_address:
                 if self.next_channel is not None:
                     await self.next_channel.close()
-                self.next_channel, self.next_address = grpcutil.channel(nxt, tls=self.tls), nxt
+                self.next_channel, self.next_address = grpcutil.channel(nxt, tls=self.tls, expect=expect), nxt
             down = stage_pb2.HandshakeRequest()
             down.CopyFrom(request)
             down.index = request.index + 1
@@ -133,6 +147,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             try:
                 reply = await stage_pb2_grpc.StageStub(self.next_channel).Handshake(down, timeout=10)
             except grpc.aio.AioRpcError as e:
+                why = await server_check.refusal(nxt, self.tls, expect)
+                if why is not None:   # someone else serves there: refused (and told to the coordinator)
+                    self.worker.refusals["SERVER_IDENTITY"] += 1
+                    return stage_pb2.HandshakeReply(
+                        ok=False, stages=stages, error=f"stage {request.index} refused the server at {nxt} as "
+                                                      f"stage {down.index}: {why}")
                 # Not a refusal: the route may assemble once that stage is up, so the caller retries.
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"stage {down.index} ({nxt}) unreachable from stage {request.index}: {e.details()}")
@@ -140,6 +160,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if not reply.ok:
                 return stage_pb2.HandshakeReply(ok=False, error=reply.error, stages=stages)
         self.pipeline_epoch = request.pipeline_epoch
+        if peer != self.handshake_peer:
+            await self._end_streams_not_of(peer)
         self.handshake_peer = peer
         self.worker.stamp_key = StampKey(request.stamp_key)   # this epoch's: older frames fail STALE_EPOCH anyway
         self.worker.index = request.index
@@ -154,6 +176,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         log.info("handshake ok: stage %d of %d, layers [%d, %d), pipeline epoch %x", request.index,
                  len(request.route), self.model.layer_start, self.model.layer_end, request.pipeline_epoch)
         return stage_pb2.HandshakeReply(ok=True, stages=stages)
+
+    async def _end_streams_not_of(self, peer: Identity | None) -> None:
+        """The handshake peer changed: the Forward streams another peer opened end (authz admitted them under
+        the previous handshake; frames must come from the new peer alone)."""
+        for relay in list(self.relays):
+            opener = identity.of_peer(relay.context)
+            if opener != peer:
+                log.warning("ending a Forward stream of %s: %s sent this stage its handshake", opener, peer)
+                await relay.fail(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"{self.who} was handshaken by {peer}: streams of {opener} end")
 
     # --- forward --------------------------------------------------------------------------------------
     async def Forward(self, request_iterator, context):

@@ -1,7 +1,8 @@
 """Who may call what: a policy per service, and the server interceptor that enforces it.
 
 A policy maps each method of a service to a rule over the caller's identity (tether/security/identity.py),
-the request (unary calls) and the server's state (e.g. who sent a stage its current handshake). `decide` is
+the request (unary calls) and the server's state (e.g. who sent a stage its current handshake, the position
+its own certificate names): decisions rest on verified identities, never on what a request claims. `decide` is
 the pure decision; `AuthzInterceptor` applies it to every call before the handler runs, and refuses with
 PERMISSION_DENIED. Health and reflection are open to every authenticated peer. Only installed with mutual
 TLS: in plaintext mode no identity exists and the network is trusted (the service says so at start-up).
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from tether.security import identity
 from tether.security.identity import Identity, of_peer
 
 log = logging.getLogger(__name__)
@@ -35,11 +37,17 @@ def only(*roles: str) -> Rule:
 
 
 def stage_handshake(who: Identity, request: Any, state: Any) -> str | None:
-    """Stage 0 is handshaken by its coordinator; stage i > 0 by the stage before it, relaying."""
-    index = getattr(request, "index", 0)
-    if index == 0:
-        return None if who.role == "coordinator" else "only the coordinator may handshake stage 0"
-    return None if who.role == "stage" else f"only a stage may relay a handshake to stage {index}"
+    """Stage 0 is handshaken by its coordinator; stage i > 0 by stage i-1 alone, relaying. The stage's position
+    is the one its own certificate names (`state.position`, from spiffe://tether.local/stage/<i>), never the
+    index the caller claims: a stage-1 certificate claiming index 1 to stage 0 is not the coordinator. (The
+    handler then refuses a handshake whose index is not that position.)"""
+    position = getattr(state, "position", None)
+    if position is None:
+        return "this stage does not know its position (its certificate names no spiffe://tether.local/stage/<i>)"
+    if position == 0:
+        return None if who == identity.COORDINATOR else "only the coordinator may handshake stage 0"
+    upstream = identity.stage(position - 1)
+    return None if who == upstream else f"only {upstream.uri} may relay a handshake to stage {position}"
 
 
 def stage_forward(who: Identity, request: Any, state: Any) -> str | None:

@@ -1,9 +1,13 @@
 """A local certificate authority and one certificate per service (`tether certs init DIR`).
 
-DIR/ca.pem + ca.key is the CA; DIR/<name>.pem + <name>.key each service's certificate, with its identity as a
-URI SAN (tether/security/identity.py) and the host names it is reached by as DNS/IP SANs. Every leaf may act
-as TLS server and client (stages are both). Keys are EC P-256 and written 0600. Existing files are kept: a
-second run adds what is missing (e.g. more stages) under the same CA.
+DIR/ca.pem + ca.key is the CA; DIR/<name>.pem + <name>.key one certificate per name, its identity as a URI SAN
+(tether/security/identity.py). Certificates say what they are for: a service's (admission, coordinator,
+stage-<i>) is TLS server and client (serverAuth + clientAuth: each serves and calls the next one) and carries
+its server name (<role>[-<i>].id.tether.local, which only it carries: what channels between services verify)
+and the host names it is reached by as DNS/IP SANs; operator and client certificates are clientAuth only and
+carry no host name, so a TLS client refuses them as servers. Keys are EC P-256 and written 0600. Existing files
+are kept: a second run adds what is missing (e.g. more stages) under the same CA, and issues again a
+certificate made before certificates said what they are for.
 """
 
 from __future__ import annotations
@@ -74,6 +78,21 @@ def _sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
     return out
 
 
+def _says_what_it_is_for(path: Path, server_name: str | None) -> bool:
+    """Whether a certificate already there has today's shape: a service's carries its server name, a caller's
+    has no serverAuth (one made before either existed is issued again: channels would refuse it)."""
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        dns = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+    except x509.ExtensionNotFound:
+        return False
+    if server_name is None:
+        return ExtendedKeyUsageOID.SERVER_AUTH not in usage and not dns
+    return server_name in dns
+
+
 def load_or_create_ca(folder: Path, days: int = settings.TLS_CA_DAYS
                       ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, bool]:
     cert_path, key_path = folder / f"{CA_NAME}.pem", folder / f"{CA_NAME}.key"
@@ -100,23 +119,33 @@ def load_or_create_ca(folder: Path, days: int = settings.TLS_CA_DAYS
 
 def issue(folder: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
           hosts: Iterable[str] = (), days: int = settings.TLS_CERT_DAYS) -> Issued:
-    """DIR/<name>.pem and .key for the service `name` (its identity from identity.of_service), unless present."""
-    ident = of_service(name).uri
+    """DIR/<name>.pem and .key for `name` (its identity from identity.of_service), unless present; `hosts` go
+    on service certificates only."""
+    who = of_service(name)
+    ident = who.uri
     cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
-    if cert_path.exists() and key_path.exists():
+    if cert_path.exists() and key_path.exists() and _says_what_it_is_for(cert_path, who.server_name if who.serves
+                                                                        else None):
         return Issued(name, cert_path, key_path, ident, False)
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    sans = [x509.UniformResourceIdentifier(ident), *_sans([*LOCAL_HOSTS, *service_hosts(name), *hosts])]
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ident)]
+    if who.serves:
+        sans += _sans([who.server_name, *LOCAL_HOSTS, *service_hosts(name), *hosts])
+        usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    else:   # operator, client-*: callers only. No host name, and a TLS client refuses them as a server
+        usage = [ExtendedKeyUsageOID.CLIENT_AUTH]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     _write_key(key_path, key)

@@ -53,10 +53,12 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 
 def new_registry() -> CollectorRegistry:
     """A registry of this process's own (not the library's global one, so tests can hold several), with the
-    standard process metrics (CPU seconds, resident memory, open files)."""
+    standard process metrics (CPU seconds, resident memory, open files) and the servers its channels refused
+    (every service opens channels to others)."""
     prometheus_client.disable_created_metrics()   # `_created` series double every counter for nothing here
     registry = CollectorRegistry()
     prometheus_client.ProcessCollector(registry=registry)
+    registry.register(ServerIdentityCollector())
     return registry
 
 
@@ -383,6 +385,22 @@ class PipelinesCollector(Collector):
         yield from (up, breaker, in_flight, opens)
 
 
+class ServerIdentityCollector(Collector):
+    """Servers a channel of this process refused for not being the service identity it expected
+    (tether/security/server_check.py REFUSED), by that identity."""
+
+    def collect(self) -> Iterator[Metric]:
+        from tether.security import server_check
+
+        family = CounterMetricFamily(PREFIX + "server_identity_refusals", "Servers refused for not being the "
+                                     "service identity a channel expected there (an impostor, a wrong route, a "
+                                     "certificate without its server name), by the identity expected",
+                                     labels=["expected"])
+        for expected, n in list(server_check.REFUSED.items()):
+            family.add_metric([expected], n)
+        yield family
+
+
 # Every tether metric family a service can expose (as Prometheus names them: counters end in _total,
 # histograms have _bucket/_sum/_count series). The dashboard and docs are checked against it.
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
@@ -401,6 +419,7 @@ def metric_names() -> set[str]:
     registry.register(CoordinatorCollector(lambda: coordinator_pb2.StatsReply()))
     registry.register(StageCollector(lambda: stage_pb2.StageStats()))
     registry.register(PipelinesCollector(type("NoPipelines", (), {"links": {}})()))
+    registry.register(ServerIdentityCollector())
     for family in registry.collect():
         if family.type == "histogram":
             names |= {family.name + s for s in ("_bucket", "_sum", "_count")}

@@ -13,9 +13,10 @@ import grpc
 import pytest
 
 from services.admission.auth import key_digest
-from tether import reference
+from tether import reference, settings
 from tether.cli import healthcheck
 from tether.cli.cluster import LocalCluster
+from tether.model.loader import model_fingerprint, resolve_model
 from tether.security import certs, tls
 from tether.v1 import admission_pb2, admission_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
@@ -153,3 +154,45 @@ def test_probes_use_the_services_own_certificate(secure):
     # the command line, configured from the environment as in a container
     assert healthcheck.main([secure.service("coordinator").address, "-q", "--tls-ca", str(d / "ca.pem"),
                              "--tls-cert", str(d / "coordinator.pem"), "--tls-key", str(d / "coordinator.key")]) == 0
+
+
+def _handshake(cluster: LocalCluster, to: str, cert: str, index: int, route: list[str]) -> stage_pb2.HandshakeReply:
+    """A well-formed handshake (the right fingerprint, a stamp key of the sender's) claiming `index`."""
+    req = stage_pb2.HandshakeRequest(
+        protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=model_fingerprint(resolve_model("tiny")),
+        route=[stage_pb2.RouteEntry(address=a) for a in route], index=index, prev_layer_end=0,
+        pipeline_epoch=12345, coordinator_instance="takeover", stamp_key=b"s" * 32)
+    with cluster.channel(to, cert=cert) as ch:
+        return stage_pb2_grpc.StageStub(ch).Handshake(req, timeout=10)
+
+
+def test_a_stage_certificate_cannot_take_stage_0_over_with_a_claimed_index(secure):
+    """The takeover: the stage-1 certificate sends stage 0 Handshake(index=1, route=[x, stage0, stage1]). Stage 0
+    knows it is stage 0 from its own certificate, so only the coordinator may handshake it: refused, counted,
+    its key and requests untouched, the pipeline keeps its epoch and serves."""
+    before = _refusals(secure, "stage0"), _epoch(secure)
+    s0, s1 = secure.service("stage0").address, secure.service("stage1").address
+    for cert, index, route in (("stage-1", 1, ["127.0.0.1:1", s0, s1]), ("stage-1", 0, [s0, s1]),
+                               ("stage-0", 0, [s0, s1])):
+        with pytest.raises(grpc.RpcError) as e:
+            _handshake(secure, "stage0", cert, index, route)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (cert, index)
+        assert "only the coordinator may handshake stage 0" in e.value.details()
+    assert _refusals(secure, "stage0") == before[0] + 3
+    assert _epoch(secure) == before[1]
+    _assert_serves_the_reference(secure)
+
+
+def test_stage_1_takes_a_handshake_only_from_stage_0_and_only_for_its_own_position(secure):
+    before = _epoch(secure)
+    s0, s1 = secure.service("stage0").address, secure.service("stage1").address
+    for cert in ("coordinator", "stage-1"):
+        with pytest.raises(grpc.RpcError) as e:
+            _handshake(secure, "stage1", cert, 1, [s0, s1])
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "only spiffe://tether.local/stage/0 may relay a handshake to stage 1" in e.value.details()
+    # stage 0's own certificate, telling stage 1 it is at position 0: refused by the handler, nothing changes
+    reply = _handshake(secure, "stage1", "stage-0", 0, [s1, s0])
+    assert not reply.ok and "stage 1 by its certificate" in reply.error
+    assert _epoch(secure) == before
+    _assert_serves_the_reference(secure)

@@ -9,13 +9,14 @@ import grpc
 import pytest
 
 from tether import grpcutil
-from tether.security import authz, certs, tls
+from tether.security import authz, certs, identity, tls
 from tether.security.identity import Identity, of_peer
 from tether.v1 import stage_pb2, stage_pb2_grpc
 
 
 class Stage(stage_pb2_grpc.StageServicer):
-    def __init__(self) -> None:
+    def __init__(self, position: int) -> None:
+        self.position = position   # as the stage's certificate names it (the real servicer reads its own)
         self.handshake_peer = None
         self.released: list[str] = []
 
@@ -45,20 +46,21 @@ def test_policy_enforced_over_mutual_tls(pki):
         guard = authz.AuthzInterceptor(on_refusal=lambda m, why: refusals.append(m))
         server = grpcutil.Server("127.0.0.1", 0, ["tether.v1.Stage"], tls=tls.for_service(pki, "stage-1"),
                                  interceptors=[guard])
-        servicer = Stage()
+        servicer = Stage(position=1)
         guard.state = servicer
         stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
         await server.start()
         target = f"127.0.0.1:{server.port}"
 
         def stub(name):
-            return stage_pb2_grpc.StageStub(grpcutil.channel(target, tls=tls.for_service(pki, name)))
+            return stage_pb2_grpc.StageStub(grpcutil.channel(target, tls=tls.for_service(pki, name),
+                                                             expect=identity.stage(1)))
         try:
-            # relayed handshake (index 1) from a stage: allowed, and the handler sees who sent it
+            # relayed handshake from the stage before it: allowed, and the handler sees who sent it
             assert (await stub("stage-0").Handshake(stage_pb2.HandshakeRequest(index=1), timeout=5)).ok
             assert servicer.handshake_peer == Identity("stage", "0")
-            # the coordinator may not relay; admission may not handshake at all; nothing changed
-            for name, index in (("coordinator", 1), ("admission", 0), ("client", 0)):
+            # the coordinator may not relay; admission may not handshake at all; nor another stage; nothing changed
+            for name, index in (("coordinator", 1), ("admission", 0), ("client", 0), ("stage-1", 1)):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub(name).Handshake(stage_pb2.HandshakeRequest(index=index), timeout=5)
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
@@ -76,7 +78,7 @@ def test_policy_enforced_over_mutual_tls(pki):
                     pass
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "spiffe://tether.local/stage/0" in e.value.details()
-            assert len(refusals) == 5 and sum(guard.refused.values()) == 5
+            assert len(refusals) == 6 and sum(guard.refused.values()) == 6
         finally:
             await server.server.stop(0)
     asyncio.run(run())
@@ -86,7 +88,7 @@ def test_no_client_certificate_no_connection(pki):
     async def run():
         server = grpcutil.Server("127.0.0.1", 0, ["tether.v1.Stage"], tls=tls.for_service(pki, "stage-0"),
                                  interceptors=[authz.AuthzInterceptor()])
-        stage_pb2_grpc.add_StageServicer_to_server(Stage(), server.server)
+        stage_pb2_grpc.add_StageServicer_to_server(Stage(position=0), server.server)
         await server.start()
         try:
             creds = tls.client_channel_credentials(pki / "ca.pem")   # verifies the server, presents nothing

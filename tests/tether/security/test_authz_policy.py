@@ -18,14 +18,28 @@ def allowed(method, who, request=None, state=None) -> bool:
     return decide(method, who, request, state).allowed
 
 
-def test_stage_handshake_index_0_only_from_the_coordinator():
-    first = SimpleNamespace(index=0)
-    assert [w for w in EVERYONE if allowed("/tether.v1.Stage/Handshake", w, first)] == [COORD]
+def handshakers(position, claimed_index) -> list:
+    """Who may handshake a stage whose certificate names `position`, whatever index the request claims."""
+    stage = SimpleNamespace(position=position, handshake_peer=None)
+    return [w for w in EVERYONE if allowed("/tether.v1.Stage/Handshake", w, SimpleNamespace(index=claimed_index), stage)]
 
 
-def test_stage_handshake_relayed_only_from_a_stage():
-    relayed = SimpleNamespace(index=2)
-    assert [w for w in EVERYONE if allowed("/tether.v1.Stage/Handshake", w, relayed)] == [STAGE0, STAGE1]
+@pytest.mark.parametrize("claimed", [0, 1, 2])
+def test_stage_0_is_handshaken_by_the_coordinator_alone_whatever_index_is_claimed(claimed):
+    # the takeover: a stage-1 certificate sending index=1 to stage 0 used to pass (the claim decided)
+    assert handshakers(0, claimed) == [COORD]
+
+
+@pytest.mark.parametrize("claimed", [0, 1, 2])
+def test_stage_i_is_handshaken_by_stage_i_minus_1_alone(claimed):
+    assert handshakers(1, claimed) == [STAGE0]
+    assert handshakers(2, claimed) == [STAGE1]
+
+
+def test_a_stage_that_does_not_know_its_position_takes_no_handshake():
+    assert handshakers(None, 0) == []
+    d = decide("/tether.v1.Stage/Handshake", COORD, SimpleNamespace(index=0), None)
+    assert not d.allowed and "does not know its position" in d.reason
 
 
 @pytest.mark.parametrize("method", ["SyncState", "Release"])
