@@ -10,6 +10,7 @@ log, counts it in tether:server_identity_refusals_total, and stays down.
 
 from __future__ import annotations
 
+import http.client
 import sys
 import time
 import urllib.request
@@ -68,7 +69,7 @@ def refusals(svc: Service, expected: str) -> float:
     try:
         with urllib.request.urlopen(svc.metrics_url, timeout=5) as r:
             text = r.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):   # not listening yet, or busy (the bounded /metrics server)
         return 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
