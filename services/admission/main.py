@@ -12,7 +12,9 @@ from services.admission.auth import ApiKeys
 from services.admission.limits import TenantLimits, read_tenants_file
 from services.admission.pipelines import Pipelines, parse_coordinators
 from services.admission.routing import POLICIES
-from services.admission.server import AdmissionServicer, CoordinatorSession, follow_readiness
+from services.admission.door import FrontDoor
+from services.admission.server import AdmissionServicer, follow_readiness
+from services.admission.session import CoordinatorSession
 from services.admission.validate import ModelLimits
 from tether import service_main, settings, supervise
 from tether.argtypes import positive_int
@@ -103,23 +105,22 @@ async def serve(args: argparse.Namespace) -> None:
                     max_connection_age_s=settings.ADMISSION_MAX_CONNECTION_AGE_S, tls=args.tls,
                     reflection_on=args.reflection)
     registry = metrics.new_registry() if args.metrics_port else None
-    servicer = AdmissionServicer(pipelines, limits, fingerprint, args.max_concurrent,
-                                 args.max_request_seconds, work=work, tenant_limits=tenant_limits,
-                                 api_keys=api_keys)
-    servicer.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
+    door = FrontDoor(pipelines, limits, fingerprint, args.max_concurrent, args.max_request_seconds, work=work,
+                     tenant_limits=tenant_limits, api_keys=api_keys)
+    door.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
     if registry is not None:
         registry.register(metrics.PipelinesCollector(pipelines))
-        servicer.metrics = metrics.AdmissionMetrics(registry, lambda: servicer.limit.active, args.max_concurrent,
-                                                    lambda: servicer.ready)
-    admission_pb2_grpc.add_AdmissionServicer_to_server(servicer, server.server)
+        door.metrics = metrics.AdmissionMetrics(registry, lambda: door.limit.active, args.max_concurrent,
+                                                lambda: door.ready)
+    admission_pb2_grpc.add_AdmissionServicer_to_server(AdmissionServicer(door), server.server)
     # NOT_SERVING until the readiness loop has seen a pipeline serve our model.
     await server.set_serving(False)
     await server.start()
     async def not_ready(error: BaseException) -> None:
-        servicer.set_ready(False, f"readiness check failed: {error!r}")
+        door.set_ready(False, f"readiness check failed: {error!r}")
         await server.set_serving(False)
 
-    readiness = supervise.start("readiness", lambda: follow_readiness(server, servicer), not_ready)
+    readiness = supervise.start("readiness", lambda: follow_readiness(server, door), not_ready)
     pipelines.start()   # each pipeline's load, and the set of pipelines behind `dns:` names
     if registry is not None:
         service_main.serve_metrics("admission", registry, args.metrics_host, args.metrics_port)

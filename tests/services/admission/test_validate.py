@@ -54,7 +54,7 @@ def test_validation_does_not_modify_the_request():
 
 
 def test_request_id_is_a_label_kept_as_sent():
-    """Admission mints the internal id itself (server.py); the caller's id is only a label, "" when none."""
+    """Admission mints the internal id itself (door.py); the caller's id is only a label, "" when none."""
     assert validate(request(), MODEL).request_id == ""
     assert validate(request(request_id="mine"), MODEL).request_id == "mine"
 

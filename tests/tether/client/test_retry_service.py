@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from services.admission.server import retry_status_details
+from services.admission.status import retry_status_details
 from tether.cli import chat, generate
 from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
                            RetryBudget, RetryPolicy, Unavailable)

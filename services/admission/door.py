@@ -1,0 +1,336 @@
+"""The front door's admit path, the same for every face (gRPC: server.py; HTTP: openai_api/): validate, tag,
+limit, route to a pipeline, stream back with a receipt. A refusal or failure is a `Rejected` (status.py), which
+each face puts in its own wire form; what happens to each request is reported through its `Outcome`.
+
+Order of work per request, cheapest refusal first: the caller's API key once any is configured (auth.py:
+UNAUTHENTICATED; PERMISSION_DENIED for a tenant or priority the key may not use), readiness (UNAVAILABLE while
+no pipeline serves our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and
+tagging (large requests in worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the
+caller's label (ALREADY_EXISTS while the same tenant has it in flight), the tenant's rate limits and shedding
+by priority (limits.py; RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py:
+UNAVAILABLE + RetryInfo while every pipeline that could take it is down or its breaker open; RESOURCE_EXHAUSTED
+when none would start it before its deadline), and only then that pipeline's coordinator. Every request gets an
+internal id minted here; the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import aclosing, asynccontextmanager
+
+import grpc
+
+from services.admission.auth import ApiKeys, AuthError, Principal, authorize
+from services.admission.front_work import FrontWork, admit
+from services.admission.limits import Refusal, TenantLimits, shed_by_priority
+from services.admission.outcome import Admitted, Call, Outcome
+from services.admission.pipelines import Pipelines, Routed, Refused, routing_key
+from services.admission.routing import RouteRequest
+from services.admission.session import SessionBroken
+from services.admission.status import FINISH_REASONS, STATUS_CODES, Rejected
+from services.admission.tagger import Tags, normalize_priority
+from services.admission.validate import ModelLimits
+from tether import settings
+from tether.protocol.hashing import messages_digest, prompt_digest
+from tether.telemetry import logs
+from tether.telemetry.metrics import AdmissionMetrics
+from tether.v1 import admission_pb2, common_pb2, coordinator_pb2
+
+log = logging.getLogger("services.admission.server")   # the logger name of these lines before the split
+
+Event = tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]   # a token, with the receipt on the last
+
+
+class ConcurrencyLimit:
+    """A non-blocking cap: a request over it is refused at once, never queued, never a hang (docs/PROTOCOL.md
+    "Limits, lifetimes and supervision")."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def try_acquire(self) -> bool:
+        # No lock: the asyncio loop runs this check-and-increment without interleaving.
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+class FrontDoor:
+    """Admission's state and its admit path: `handle` one generate request, `tag` one tag request."""
+
+    def __init__(self, pipelines: Pipelines, model: ModelLimits,
+                 model_fingerprint: str, max_concurrent: int = settings.MAX_CONCURRENT_REQUESTS,
+                 max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
+                 tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None,
+                 metrics: AdmissionMetrics | None = None, tenant_limits: TenantLimits | None = None,
+                 api_keys: ApiKeys | None = None) -> None:
+        self.pipelines = pipelines
+        self.tenant_limits = tenant_limits or TenantLimits()   # no file: no tenant is limited
+        self.api_keys = api_keys or ApiKeys()                  # no key configured: the body's tenant stands
+        self.model = model
+        self.model_fingerprint = model_fingerprint
+        self.limit = ConcurrencyLimit(max_concurrent)
+        self.max_lifetime_s = max_lifetime_s
+        self.tag_budget_s = tag_budget_s
+        # Tokenizing and tagging large requests are CPU work: in worker processes, never on the event loop,
+        # which must keep streaming tokens (front_work.py). Without a pool (tests) everything runs inline.
+        self.work = work
+        self.ready = False                               # set by follow_readiness
+        self.not_ready_reason = "admission has not reached a coordinator yet"
+        self.labels: dict[tuple[str, str], str] = {}     # (tenant, caller label) -> internal id, while in flight
+        self.metrics = metrics                           # None: --metrics-port off, nothing observed
+        self.model_name = model_fingerprint              # gen_ai.request.model of traces (main.py: --model)
+
+    def set_ready(self, ready: bool, reason: str) -> None:
+        self.ready, self.not_ready_reason = ready, reason
+
+    # ---- the two entry points ---------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def handle(self, call: Call, request: admission_pb2.GenerateRequest,
+                     ) -> AsyncIterator[tuple[Admitted, Routed, AsyncIterator[Event]]]:
+        """One request from arrival to its end, for every face alike: entered, admitted and routed, then its
+        (event, receipt) pairs from the coordinator for the face to pass on; on the way out, however it ends,
+        its slot and label are released and its outcome closed with the error it ended with. `request` is
+        the face's own message: admission sets its tenant from the caller's key."""
+        arrived = time.perf_counter()
+        outcome = Outcome(self.metrics, call)
+        a: Admitted | None = None
+        error: BaseException | None = None
+        try:
+            principal = await self._enter(outcome, call)
+            try:
+                a = await self._admit(request, outcome, principal=principal)
+                routed = await self._route(a, call, outcome)
+                # aclosing: when the face's task is cancelled (disconnect, deadline) while it waits to send, the
+                # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
+                async with aclosing(self._generate(request, a, routed, call, outcome, arrived)) as events:
+                    yield a, routed, events
+            finally:
+                self._done(a)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            outcome.close(error)
+
+    async def tag(self, call: Call, request: admission_pb2.GenerateRequest) -> Tags:
+        """The tags `request` would get (the same checks and CPU work as a request: the same cap)."""
+        outcome = Outcome(self.metrics)
+        principal = self._authenticate(call, outcome)
+        self._acquire(outcome)
+        try:
+            return (await self._admit(request, outcome, take_label=False, principal=principal)).tags
+        finally:
+            self.limit.release()
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    async def _enter(self, outcome: Outcome, call: Call) -> Principal | None:
+        """The caller's key, readiness, then a concurrency slot: the caller's principal (None while no key is
+        configured)."""
+        principal = self._authenticate(call, outcome)
+        self._check_ready(outcome)
+        self._acquire(outcome)
+        return principal
+
+    def _authenticate(self, call: Call, outcome: Outcome) -> Principal | None:
+        """The caller's principal from its API key, or UNAUTHENTICATED; None (anyone) while no key is configured.
+        First of all checks: a caller without a key learns nothing, not even readiness, and takes no slot."""
+        if not self.api_keys.active:
+            return None
+        got = self.api_keys.authenticate(call.metadata)
+        if isinstance(got, AuthError):
+            self._auth_failed(outcome, got)
+        return got
+
+    def _authorize(self, request: admission_pb2.GenerateRequest, principal: Principal, outcome: Outcome) -> None:
+        """Run the request as the key's tenant (an empty body tenant becomes it), or PERMISSION_DENIED for
+        another tenant or a priority the tenant may not use."""
+        try:
+            priority = normalize_priority(request.priority)
+        except ValueError:
+            priority = request.priority   # not a priority at all: validation refuses it with INVALID_ARGUMENT
+        got = authorize(principal, request.tenant, priority)
+        if isinstance(got, AuthError):
+            self._auth_failed(outcome, got)
+        request.tenant = got   # the face's own message: the tenant every later step reads
+
+    def _auth_failed(self, outcome: Outcome, error: AuthError) -> None:
+        outcome.auth_failed(error.reason, error.message)
+        raise Rejected(error.code, error.message)
+
+    def _check_ready(self, outcome: Outcome) -> None:
+        """Never forward while no pipeline serves our model: that answer would be wrong."""
+        if not self.ready:
+            self._refuse(outcome, "not_ready", grpc.StatusCode.UNAVAILABLE,
+                         f"admission is not ready: {self.not_ready_reason}")
+
+    async def _admit(self, request: admission_pb2.GenerateRequest, outcome: Outcome, take_label: bool = True,
+                     principal: Principal | None = None) -> Admitted:
+        """The key's tenant and priorities (with a principal), then tokenize, validate and tag; mint the internal
+        id; take the caller's label (released by `_done`)."""
+        started = time.time_ns()
+        if principal is not None:
+            self._authorize(request, principal, outcome)
+        try:
+            if self.work is None or self.work.is_inline(request):
+                valid, tags = admit(request, self.model)   # small: cheaper now than shipped (< 1 ms)
+            else:
+                valid, tags = await self.work.run(request, self.tag_budget_s)
+        except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
+            self._refuse(outcome, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError:
+            self._refuse(outcome, "tag_timeout", grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the prompt took longer than {self.tag_budget_s:g} s to tokenize and tag; "
+                         f"send a shorter prompt")
+        except BrokenProcessPool:
+            self._refuse(outcome, "worker_died", grpc.StatusCode.UNAVAILABLE,
+                         "admission's tokenizer worker died while handling this request; it was restarted: retry")
+        except Exception as e:   # noqa: BLE001 - a bug must reach the caller as a status that says so
+            log.exception("admitting a request failed")
+            self._refuse(outcome, "internal", grpc.StatusCode.INTERNAL,
+                         f"admission failed to process the request: {e!r}")
+        a = Admitted(uuid.uuid4().hex, valid, tags)
+        outcome.admitted(a, self.model_name, self.model_fingerprint, request, started)
+        if take_label and valid.request_id:
+            key = (valid.tenant, valid.request_id)
+            if key in self.labels:
+                self._refuse(outcome, "duplicate_label", grpc.StatusCode.ALREADY_EXISTS,
+                             f"request_id {valid.request_id!r} is already in flight for tenant "
+                             f"{valid.tenant or '(default)'}; use a new request_id per request")
+            self.labels[key] = a.internal_id   # checked and taken with no await between
+        return a
+
+    def _done(self, a: Admitted | None) -> None:
+        """The request ended, however: free its concurrency slot and its caller label."""
+        self.limit.release()
+        if a is not None and a.valid.request_id:
+            key = (a.valid.tenant, a.valid.request_id)
+            if self.labels.get(key) == a.internal_id:
+                del self.labels[key]
+
+    def _acquire(self, outcome: Outcome) -> None:
+        """Take a slot under the concurrency cap, or refuse with RESOURCE_EXHAUSTED and a RetryInfo delay."""
+        if self.limit.try_acquire():
+            return
+        self._refuse(outcome, "overload", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"admission is at its limit of {self.limit.limit} concurrent requests; "
+                     f"retry in {settings.OVERLOAD_RETRY_AFTER_S:g} s", settings.OVERLOAD_RETRY_AFTER_S)
+
+    async def _route(self, a: Admitted, call: Call, outcome: Outcome) -> Routed:
+        """The tenant's limits, shedding by priority, then a pipeline: or a refusal with RetryInfo."""
+        started = time.time_ns()
+        try:
+            routed = self._choose(a, call, outcome)
+        except BaseException as e:
+            outcome.routed(None, started, e)
+            raise
+        outcome.routed(routed, started)
+        return routed
+
+    def _choose(self, a: Admitted, call: Call, outcome: Outcome) -> Routed:
+        valid, tags = a.valid, a.tags
+        refusal: Refusal | None = shed_by_priority(tags.priority, self.limit.active - 1, self.limit.limit)
+        if refusal is not None:
+            self._refuse(outcome, f"priority_{tags.priority}", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         refusal.message, refusal.retry_after_s)
+        refusal = self.tenant_limits.check(valid.tenant, len(valid.prompt_token_ids) + tags.output_budget)
+        if refusal is not None:
+            self._refuse(outcome, "tenant_limit", grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
+                         refusal.retry_after_s)
+        req = RouteRequest(len(valid.prompt_token_ids), tags.output_budget, tags.size_class, tags.priority,
+                           routing_key(valid.prompt_token_ids, tags.prefix_key, valid.tenant))
+        try:
+            return self.pipelines.choose(req, call.time_remaining())
+        except Refused as e:
+            self._refuse(outcome, f"route_{e.code.name.lower()}", e.code, e.message, e.retry_after_s)
+        raise AssertionError("unreachable: _refuse raises")
+
+    @staticmethod
+    def _refuse(outcome: Outcome, reason: str, code: grpc.StatusCode, message: str,
+                retry_after_s: float | None = None) -> None:
+        outcome.refused(reason)
+        raise Rejected(code, message, retry_after_s)
+
+    async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed, call: Call,
+                        outcome: Outcome, arrived: float) -> AsyncIterator[Event]:
+        """Yield the coordinator's events in order, the last one with its receipt; raise Rejected on any error.
+        `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there)."""
+        valid, tags, rid = a.valid, a.tags, a.internal_id
+        logs.set_request(rid, valid.request_id)   # this handler's task: every line it logs carries the id
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(valid.sampling)
+        sampling.max_tokens = tags.output_budget
+        # The caller's deadline bounds the request downstream too, so the coordinator stops working on it in
+        # time; a caller without one gets the maximum lifetime.
+        remaining = call.time_remaining()
+        lifetime_applied = remaining is None
+        submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+                                               sampling=sampling, tenant=valid.tenant, priority=valid.priority,
+                                               label=valid.request_id, resume_tokens=valid.resume_token_ids,
+                                               timeout_s=self.max_lifetime_s if lifetime_applied else remaining,
+                                               traceparent=outcome.traceparent)
+        target = routed.link.address
+        events = routed.link.session.start(submit)
+        outcome.started(valid.tenant, len(valid.prompt_token_ids), arrived, len(valid.resume_token_ids))
+        failure: tuple[grpc.StatusCode, str] | None = None
+        ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
+        finished = False         # ... with its last token
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, SessionBroken):
+                    ended = True
+                    failure = (event.code, f"coordinator {target} said: {event.details}")
+                    break
+                if event.status_code:
+                    ended = True
+                    code = STATUS_CODES.get(event.status_code, grpc.StatusCode.UNKNOWN)
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED and lifetime_applied:
+                        failure = (code, f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
+                                         f"(the call set no deadline)")
+                    else:
+                        failure = (code, f"coordinator {target} said: {event.status_message}")
+                    break
+                if event.index != outcome.tokens:
+                    failure = (grpc.StatusCode.INTERNAL, f"coordinator skipped a token index: expected "
+                                                         f"{outcome.tokens}, got {event.index} (request {rid})")
+                    break
+                outcome.token()
+                if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield event, None
+                    continue
+                ended = finished = True
+                outcome.finished(FINISH_REASONS.get(event.finish_reason, "unknown"))
+                yield event, common_pb2.Receipt(
+                    request_id=valid.request_id, prompt_digest=request_digest(request),
+                    prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
+                    output_tokens=outcome.tokens, model_fingerprint=self.model_fingerprint, internal_id=rid)
+                return
+        finally:
+            # Runs on client disconnect and deadline too (the face's task is cancelled): stop the coordinator's work.
+            routed.link.session.end(rid, cancel=not ended)
+            how = None if finished else failure[0] if failure else grpc.StatusCode.CANCELLED
+            self.pipelines.finished(routed, how)
+            if how is not None:
+                outcome.failed(how.name)
+            outcome.ended(rid, "finished" if how is None else how.name)
+        log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
+        raise Rejected(*failure)
+
+
+def request_digest(request: admission_pb2.GenerateRequest) -> int:
+    """The receipt's prompt_digest: of the prompt bytes, or of the conversation as received (docs/PROTOCOL.md)."""
+    if request.messages:
+        return messages_digest((m.role, m.content) for m in request.messages)
+    return prompt_digest(request.prompt)
