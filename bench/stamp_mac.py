@@ -42,7 +42,7 @@ from services.stage_worker.worker import StageWorker  # noqa: E402
 from tether import reference  # noqa: E402
 from tether.model.config import ModelConfig  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
-from tether.protocol.hashing import ContextHasher, hash_seed, sampling_digest, slot_binding  # noqa: E402
+from tether.protocol.hashing import ContextHasher, hash_seed, sampling_digest  # noqa: E402
 from tether.protocol.stamp_key import StampKey  # noqa: E402
 from tether.v1 import stage_pb2  # noqa: E402
 
@@ -102,7 +102,7 @@ def stage_keyed_work(key: StampKey, frame: stage_pb2.Frame, results) -> None:
 def unkeyed_work(frame: stage_pb2.Frame, results) -> None:
     """What the same frame cost before keyed stamps (xxh3 payload seed and token hash), both sides."""
     for _ in range(2):   # the coordinator's digest and the stage's check
-        bindings = [slot_binding(s.stamp.context_hash, s.cached_prefix) for s in frame.slots]
+        bindings = [s.stamp.context_hash for s in frame.slots]   # decode frames: no cached prefix
         seed = xxhash.xxh3_64_intdigest(b"".join(b.to_bytes(8, "little") for b in bindings))
         xxhash.xxh3_64_intdigest(frame.activations.data, seed=seed)
     for _ in range(2):   # the stage's token hash and the coordinator's check

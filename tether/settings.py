@@ -3,7 +3,8 @@
 Services expose these as command-line flags; the flags' defaults come from this module.
 """
 
-PROTOCOL_VERSION = 1
+# 2: the payload digest binds every slot's MAC and row layout, not only its context hash (issue 23).
+PROTOCOL_VERSION = 2
 
 # Ports of the local cluster (`tether up`); stage i listens on STAGE_BASE_PORT + i.
 ADMISSION_PORT = 50051

@@ -91,12 +91,3 @@ def messages_digest(messages) -> int:
         h.update(struct.pack("<I", len(content)))
         h.update(content)
     return h.intdigest()
-
-
-def slot_binding(context_hash: int, cached_prefix: int) -> int:
-    """What a frame's payload digest binds per slot: its context hash and, with a cached prefix, how many of
-    its tokens carry no activation rows (so rows can never be shifted from one slot to another). The digest
-    itself is keyed: tether.protocol.stamp_key.StampKey.frame_digest."""
-    if not cached_prefix:
-        return context_hash
-    return xxhash.xxh3_64_intdigest(struct.pack("<QI", context_hash, cached_prefix))

@@ -9,9 +9,11 @@ stage in `HandshakeRequest.stamp_key`. With it:
   context chain stays the state check; the MAC says the coordinator issued exactly this claim.
 - `token_mac(...)`: the last stage's keyed token hash (chain after the token, request id, epoch, position,
   sampling digest, token id), checked by the coordinator.
-- `payload_seed(bindings)` / `frame_digest(data, slots)`: the xxh3 payload digest seeded from a keyed
-  BLAKE2b of the slots' bindings. An integrity check that a peer without the key cannot recompute, not a
-  cryptographic MAC of the activation bytes (xxh3 is not one; TLS protects the bytes in transit).
+- `payload_seed(slots)` / `frame_digest(data, slots)`: the xxh3 payload digest seeded from a keyed BLAKE2b
+  of every slot's MAC and row layout (token count, cached prefix), in order: the rows are bound to the exact
+  claim that owns them, so no permutation, shift or substitution of stamps against rows goes unnoticed. An
+  integrity check that a peer without the key cannot recompute, not a cryptographic MAC of the activation
+  bytes (xxh3 is not one; TLS protects the bytes in transit).
 
 Domain separation by BLAKE2b's `person` parameter; each primitive keeps one keyed base object and copies it
 per use (a copy is cheaper than keying anew: bench/stamp_mac.py).
@@ -24,7 +26,7 @@ import secrets
 import struct
 from hashlib import blake2b
 
-from tether.protocol.hashing import slot_binding, token_bytes
+from tether.protocol.hashing import token_bytes
 import xxhash
 
 KEY_BYTES = 32
@@ -35,6 +37,9 @@ MAC_BYTES = 8
 _STAMP = struct.Struct("<QIIQQQQIBI")
 # chain after the token, epoch, position of the token, sampling digest, token id, length of the request id.
 _TOKEN = struct.Struct("<QQIQII")
+# per slot of the payload seed: the stamp's MAC, its number of token ids, its cached prefix.
+_ROWS = struct.Struct("<QII")
+_COUNT = struct.Struct("<I")
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -98,18 +103,24 @@ class StampKey:
         return int.from_bytes(h.digest(), "little")
 
     # --- payload -----------------------------------------------------------------------------------------
-    def payload_seed(self, bindings) -> int:
-        """xxh3 seed of a frame's payload digest: keyed BLAKE2b-64 over the slots' bindings, in order."""
-        b = list(bindings)
+    def payload_seed(self, slots) -> int:
+        """xxh3 seed of a frame's payload digest: keyed BLAKE2b-64 over the slot count, then per slot (in order)
+        its `stamp.mac`, number of token ids and cached prefix.
+
+        The MAC binds everything the slot claims (id, epoch, position, tokens, hashes, sampling digest, hash
+        seed, cached prefix, sample flag); every path signs before it digests, so it is read, not recomputed.
+        The token count and cached prefix fix which rows are the slot's even when its claim is forged: a stage
+        that refuses one slot as STAMP_FORGED still slices the others' rows where the signer put them."""
         h = self._payload.copy()
-        h.update(struct.pack(f"<I{len(b)}Q", len(b), *b))
+        h.update(_COUNT.pack(len(slots)))
+        for s in slots:
+            h.update(_ROWS.pack(s.stamp.mac, len(s.stamp.token_ids), s.cached_prefix))
         return int.from_bytes(h.digest(), "little")
 
     def frame_digest(self, data: bytes, slots) -> int:
-        """The payload digest of a frame's activation bytes over its slots (stage_pb2.Slot): xxh3-64 of the
-        bytes, seeded from the keyed digest of each slot's binding (context hash and cached prefix)."""
-        seed = self.payload_seed(slot_binding(s.stamp.context_hash, s.cached_prefix) for s in slots)
-        return xxhash.xxh3_64_intdigest(data, seed=seed)
+        """The payload digest of a frame's activation bytes over its (signed) slots, stage_pb2.Slot: xxh3-64 of
+        the bytes, seeded by `payload_seed(slots)`."""
+        return xxhash.xxh3_64_intdigest(data, seed=self.payload_seed(slots))
 
     def seal(self, frame) -> None:
         """Sign every slot of a stage_pb2.Frame and set its payload digest (tests and tools)."""

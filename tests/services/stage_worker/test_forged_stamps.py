@@ -1,7 +1,7 @@
 """Keyed stamps against live stage processes (issue 14 part 4): a frame whose stamps were recomputed
 without the pipeline's stamp key (the right xxh3 chain, the MAC unkeyed, zero or under another key) is
-rejected before it touches any state, with STAMP_FORGED when the payload digest is right and
-DIGEST_MISMATCH when the forger had to compute that too; what the stage holds (SyncState) does not change,
+rejected before it touches any state, with STAMP_FORGED when the payload digest is right (only a key holder
+could make it: it binds every slot's MAC as sent) and DIGEST_MISMATCH otherwise; what the stage holds (SyncState) does not change,
 and Stats counts the rejections. Legitimate slots in the same frame go through."""
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def _held_request(stage, stream, kit, rid, acts):
 
 def _forged_frame(stream, kit, slots, forged: int, forge, acts, right_digest: bool) -> stage_pb2.Frame:
     """A frame whose slot `forged` carries a recomputed stamp: the right chain, the MAC from `forge`. With
-    `right_digest` the payload digest is the pipeline key's (the forgery spliced into an honest frame);
-    otherwise the forger computes it too, under a key of its own."""
+    `right_digest` the payload digest is the pipeline key's over the frame as it is (the digest binds each
+    slot's MAC as sent, so only a key holder could make it: the MAC check is tested on its own); otherwise the
+    forger computes it too, under a key of its own."""
     frame = stream.frame(slots, acts)              # signed and digested with the pipeline's key
     frame.slots[forged].stamp.mac = forge(frame.slots[forged])
-    if not right_digest:
-        frame.payload_digest = OTHER.frame_digest(frame.activations.data, frame.slots)
+    frame.payload_digest = (kit.KEY if right_digest else OTHER).frame_digest(frame.activations.data, frame.slots)
     return frame
 
 
@@ -119,6 +119,10 @@ def test_an_honest_stamp_still_goes_through_after_a_forgery(full, kit):
     forged = stage_pb2.Frame()
     forged.CopyFrom(frame)
     forged.slots[0].stamp.mac = unkeyed_mac(forged.slots[0])
+    assert reasons(stream.ask(forged)) == ["DIGEST_MISMATCH"]   # the digest binds the MAC as it was sent
+    forged.stream_seq = frame.stream_seq + 1
+    stream.seq += 1
+    forged.payload_digest = kit.KEY.frame_digest(b"", forged.slots)   # made by a key holder: the MAC check alone
     assert reasons(stream.ask(forged)) == ["STAMP_FORGED"]
     assert reasons(stream.ask(stream.frame([req.slot()]))) == ["ok"]
     stream.end()

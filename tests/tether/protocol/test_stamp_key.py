@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.protocol.hashing import context_hash, hash_seed, slot_binding, token_bytes
+from tether.protocol.hashing import context_hash, hash_seed, token_bytes
 from tether.protocol.stamp_key import KEY_BYTES, BadStampKey, StampKey
 from tether.v1 import stage_pb2
 
@@ -122,9 +122,14 @@ def test_the_token_mac_binds_each_input():
     assert OTHER.token_mac(*base) != ref
 
 
-def test_payload_digest_binds_bytes_slot_bindings_and_the_key():
+def signed(slots) -> list[stage_pb2.Slot]:
+    KEY.sign(slots)
+    return slots
+
+
+def test_payload_digest_binds_bytes_each_slots_mac_and_rows_in_order_and_the_key():
     data = bytes(range(256)) * 4
-    slots = [slot(request_id=f"r{i}", token_ids=[i + 1]) for i in range(3)]
+    slots = signed([slot(request_id=f"r{i}", token_ids=[i + 1]) for i in range(3)])
     d = KEY.frame_digest(data, slots)
     assert d == KEY.frame_digest(bytes(data), list(slots))
     flipped = bytearray(data)
@@ -134,21 +139,45 @@ def test_payload_digest_binds_bytes_slot_bindings_and_the_key():
     assert KEY.frame_digest(data, [slots[1], slots[0], slots[2]]) != d   # slot order matters
     assert KEY.frame_digest(data, slots[:2]) != d                        # a slot dropped
     assert KEY.frame_digest(data, [*slots, slots[2]]) != d               # a slot duplicated
-    moved = slot(request_id="r0", token_ids=[1], cached_prefix=64)
-    assert KEY.frame_digest(data, [moved, *slots[1:]]) != d              # rows shifted by a cached prefix
     assert OTHER.frame_digest(data, slots) != d                          # another key
-    # the unkeyed seed of before (xxh3 of the bindings) no longer gives it
+    for field in ("mac", "token_count", "cached_prefix"):                # each part of a slot's binding
+        bent = [stage_pb2.Slot() for _ in slots]
+        for x, y in zip(bent, slots):
+            x.CopyFrom(y)
+        if field == "mac":
+            bent[1].stamp.mac ^= 1
+        elif field == "token_count":
+            bent[1].stamp.token_ids.append(9)                            # its MAC (as sent) left as it was
+        else:
+            bent[1].cached_prefix = 64
+        assert KEY.frame_digest(data, bent) != d, field
+    # the unkeyed seed of protocol v1 (xxh3 of the context hashes) no longer gives it
     unkeyed = xxhash.xxh3_64_intdigest(struct.pack("<3Q", *(s.stamp.context_hash for s in slots)))
     assert xxhash.xxh3_64_intdigest(data, seed=unkeyed) != d
 
 
-def test_payload_seed_is_keyed_blake2b_of_the_bindings():
-    slots = [slot(request_id=f"r{i}", token_ids=[i + 1], cached_prefix=64 * i) for i in range(3)]
-    bindings = [slot_binding(s.stamp.context_hash, s.cached_prefix) for s in slots]
+def test_twins_that_differ_only_in_position_bind_differently():
+    """Issue 23: twins with the same context end (equal context hashes) at different start positions: v1 bound
+    only the context hash, so their stamps could be swapped against the rows unnoticed."""
+    ids = list(range(1, 9))
+    decode = slot(request_id="a", position=7, token_ids=ids[7:], parent_hash=context_hash(SEED, ids[:7]),
+                  context_hash=context_hash(SEED, ids))
+    replay = slot(request_id="b", epoch=4, position=0, token_ids=ids, parent_hash=context_hash(SEED, []),
+                  context_hash=context_hash(SEED, ids))
+    other = slot(request_id="c")
+    sent = signed([replay, other, decode])
+    assert KEY.frame_digest(b"rows", sent) != KEY.frame_digest(b"rows", [decode, other, replay])
+
+
+def test_payload_seed_is_keyed_blake2b_of_each_slots_mac_and_rows():
+    slots = signed([slot(request_id=f"r{i}", token_ids=list(range(1, 66)), cached_prefix=64 * (i % 2))
+                    for i in range(3)])
     h = blake2b(key=KEY.key, digest_size=8, person=b"tether/v1/payld")
-    h.update(struct.pack("<I3Q", 3, *bindings))
+    h.update(struct.pack("<I", 3))
+    for s in slots:
+        h.update(struct.pack("<QII", s.stamp.mac, len(s.stamp.token_ids), s.cached_prefix))
     seed = int.from_bytes(h.digest(), "little")
-    assert KEY.payload_seed(bindings) == seed
+    assert KEY.payload_seed(slots) == seed
     assert KEY.frame_digest(b"act", slots) == xxhash.xxh3_64_intdigest(b"act", seed=seed)
 
 
