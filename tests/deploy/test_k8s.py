@@ -7,6 +7,12 @@ on the example overlay: the containers run the `tether` subcommands with the fla
 coordinator's route and admission's coordinator are the Services' DNS names and ports, probes use gRPC health on
 the gRPC port, Prometheus annotations name the metrics port, and every resource has requests and limits. The
 second-pipeline and autoscaled overlays have their own checks at the end.
+
+Secure by default: every kustomization but overlays/dev-plaintext runs mutual TLS with each container holding
+only its own certificate (from Secrets that deploy/k8s/cert-manager's Certificates make, with the identities of
+tether/security/identity.py and the DNS names peers dial), admission reads API keys from a Secret, no pod
+mounts the CA's key, and the NetworkPolicies, evaluated here as Kubernetes does, let only admission reach the
+coordinators and only a pipeline's own pods reach its stages.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "example"
 SECOND_PIPELINE = K8S / "overlays" / "pipeline-p1"
 AUTOSCALED = K8S / "overlays" / "autoscaled"
+DEV = K8S / "overlays" / "dev-plaintext"
+CERT_MANAGER = K8S / "cert-manager"
+TENANTS_EXAMPLE = K8S / "secure" / "frontdoor" / "tenants.example.toml"
+HEALTHCHECK = ["python", "-m", "tether.cli.healthcheck"]
 ADDRESS_FLAGS = {"--stages", "--coordinator"}
-K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants", "--metrics-host"}   # flags a deployment sets that the local
-                                                                        # launcher leaves default
+# flags a deployment sets that the local launcher leaves default
+K8S_ONLY_FLAGS = {"--kv-memory-mib", "--tenants", "--metrics-host", "--tls-client-auth"}
 CLUSTER_SCOPED = {"Namespace"}
 IMAGE_UID = 10001                                   # the Dockerfile's `useradd --uid`
 
@@ -80,6 +90,12 @@ def _workload_containers(doc: dict) -> list[dict]:
     return []
 
 
+def _init_containers(doc: dict) -> list[dict]:
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        return doc["spec"]["template"]["spec"].get("initContainers", [])
+    return []
+
+
 # kustomize's name references this renderer follows when a namePrefix renames their target
 _NAME_REFS = {"StatefulSet": [("spec", "serviceName")], "HorizontalPodAutoscaler": [("spec", "scaleTargetRef", "name")]}
 
@@ -104,17 +120,25 @@ def _rename(docs: list[dict], prefix: str) -> None:
                     ref["name"] = prefix + ref["name"]
 
 
-def _label(docs: list[dict], pairs: dict[str, str], selectors: bool) -> None:
-    """labels: metadata always; with includeSelectors, Service selectors, workload selectors and pod templates."""
+def _label(docs: list[dict], pairs: dict[str, str], selectors: bool, templates: bool = False) -> None:
+    """labels: metadata always; with includeTemplates, pod templates too; with includeSelectors, pod templates,
+    Service selectors, workload selectors and NetworkPolicies' existing podSelector matchLabels (kustomize's
+    commonLabels field specs, which create none)."""
     for d in docs:
         d["metadata"].setdefault("labels", {}).update(pairs)
+        if (selectors or templates) and d["kind"] in ("Deployment", "StatefulSet"):
+            d["spec"]["template"]["metadata"].setdefault("labels", {}).update(pairs)
         if not selectors:
             continue
         if d["kind"] == "Service" and "selector" in d["spec"]:
             d["spec"]["selector"].update(pairs)
         if d["kind"] in ("Deployment", "StatefulSet"):
             d["spec"]["selector"]["matchLabels"].update(pairs)
-            d["spec"]["template"]["metadata"].setdefault("labels", {}).update(pairs)
+        if d["kind"] == "NetworkPolicy":
+            peers = [p for rule in d["spec"].get("ingress", []) for p in rule.get("from", [])]
+            for sel in [d["spec"]["podSelector"]] + [p["podSelector"] for p in peers if "podSelector" in p]:
+                if "matchLabels" in sel:
+                    sel["matchLabels"].update(pairs)
 
 
 def render(folder: Path) -> list[dict]:
@@ -137,11 +161,11 @@ def render(folder: Path) -> list[dict]:
     if "namePrefix" in k:
         _rename(docs, k["namePrefix"])
     for group in k.get("labels", []):
-        assert set(group) <= {"pairs", "includeSelectors"}, group
-        _label(docs, group["pairs"], group.get("includeSelectors", False))
+        assert set(group) <= {"pairs", "includeSelectors", "includeTemplates"}, group
+        _label(docs, group["pairs"], group.get("includeSelectors", False), group.get("includeTemplates", False))
     for image in k.get("images", []):
         for d in docs:
-            for c in _workload_containers(d):
+            for c in _workload_containers(d) + _init_containers(d):
                 name, _, tag = c["image"].partition(":")
                 if name == image["name"]:
                     c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
@@ -152,9 +176,15 @@ def render(folder: Path) -> list[dict]:
     return docs
 
 
-@pytest.fixture(params=["base", "overlay"])
+@pytest.fixture(params=["base", "overlay", "dev"])
 def docs(request) -> list[dict]:
-    return render(BASE if request.param == "base" else OVERLAY)
+    return render({"base": BASE, "overlay": OVERLAY, "dev": DEV}[request.param])
+
+
+def _secure(docs: list[dict]) -> bool:
+    """The secure shape (every kustomization but dev-plaintext): admission has TLS variables."""
+    (c,) = _workload_containers(one(docs, *ADMISSION))
+    return any(e["name"] == settings.TLS_CERT_ENV for e in c.get("env", []))
 
 
 def one(docs: list[dict], kind: str, name: str) -> dict:
@@ -349,18 +379,35 @@ def test_ports_probes_and_scrape_annotations(docs, kind_name):
     assert ports == {"grpc": grpc_port, "metrics": metrics_port}
     svc = one(docs, "Service", w["metadata"]["name"] if kind_name != STAGE else w["spec"]["serviceName"])
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
-    # readiness: gRPC health (admission and the coordinator are SERVING only while their pipeline is)
-    assert c["readinessProbe"]["grpc"]["port"] == grpc_port
+    # readiness: gRPC health (admission and the coordinator are SERVING only while their pipeline is); under TLS
+    # through tether.cli.healthcheck, since the kubelet's own gRPC probe speaks plaintext only
+    secure = _secure(docs)
+    assert _health_probe_port(c["readinessProbe"], secure) == grpc_port
     startup, liveness = c["startupProbe"], c["livenessProbe"]
-    assert (startup.get("grpc") or startup.get("tcpSocket"))["port"] == grpc_port
+    assert (startup.get("tcpSocket") or {}).get("port", None) == grpc_port or \
+        _health_probe_port(startup, secure) == grpc_port
     if kind_name == STAGE:
-        assert liveness["grpc"]["port"] == grpc_port
+        assert _health_probe_port(liveness, secure) == grpc_port
     else:   # NOT_SERVING while the pipeline recovers is not a reason to restart: the port alone
         assert liveness["tcpSocket"]["port"] == grpc_port
     notes = w["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
     assert int(notes["prometheus.io/port"]) == metrics_port
     assert notes["prometheus.io/path"] == "/metrics"
+
+
+def _health_probe_port(probe: dict, secure: bool) -> int:
+    """The gRPC port a health probe checks: the kubelet's grpc probe (plaintext shape) or tether.cli.healthcheck
+    on the pod's loopback (TLS: it reads the container's TETHER_TLS_* variables)."""
+    if not secure:
+        return probe["grpc"]["port"]
+    assert "grpc" not in probe, "the kubelet's gRPC probe cannot speak TLS"
+    cmd = probe["exec"]["command"]
+    assert cmd[:3] == HEALTHCHECK and len(cmd) == 4, cmd
+    from tether.cli import healthcheck
+    host, port = healthcheck.build_parser().parse_args(cmd[3:]).target.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    return int(port)
 
 
 @pytest.mark.parametrize("kind_name", [STAGE, COORD, ADMISSION])
@@ -386,18 +433,27 @@ def test_resources_security_and_otel(docs, kind_name):
 
 
 def test_tenants_file_is_admissions_and_mounted_where_it_reads_it(docs, tmp_path):
-    text = _config(docs)["tenants.toml"]
+    """Secure: the tenants file (API key digests) is Secret tether-tenants, whose example lists keys; the
+    ConfigMap has no tenants. Dev: the ConfigMap's, limits only."""
+    secure = _secure(docs)
+    text = TENANTS_EXAMPLE.read_text() if secure else _config(docs)["tenants.toml"]
     tomllib.loads(text)
     limits = importlib.import_module("services.admission.limits")
+    auth = importlib.import_module("services.admission.auth")
     path = tmp_path / "tenants.toml"
     path.write_text(text)
     limits.TenantLimits.from_file(path)   # admission's own parser accepts it
+    keys = auth.ApiKeys.from_config(limits.read_tenants_file(path), str(path))
+    assert keys.active == secure, "the secure shape's example requires API keys"
+    assert ("tenants.toml" in _config(docs)) != secure
     adm = one(docs, *ADMISSION)
     (c,) = _workload_containers(adm)
-    (mount,) = c["volumeMounts"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
     (vol,) = [v for v in adm["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
-    (item,) = vol["configMap"]["items"]
-    assert vol["configMap"]["name"] == "tether-config" and item["key"] == "tenants.toml"
+    source = vol["secret"] if secure else vol["configMap"]
+    (item,) = source["items"]
+    assert (source.get("secretName") or source.get("name")) == ("tether-tenants" if secure else "tether-config")
+    assert item["key"] == "tenants.toml"
     mounted = f"{mount['mountPath']}/{item['path']}"
     flags = _flags(_argv(docs, ADMISSION)[1:])
     assert flags.get("--tenants") == mounted, "admission must read the tenants file the ConfigMap mounts"
@@ -490,7 +546,7 @@ def test_autoscaled_pipeline_pods_are_whole_pipelines_scaled_on_the_queue():
         argv = [_expand(a, _env(docs, c)) for a in c["args"]]
         mine, theirs = _flags(argv[1:]), _flags(reference[f"stage{i}"])
         assert _same_but_hosts(mine, theirs)
-        assert c["readinessProbe"]["grpc"]["port"] == int(mine["--port"])
+        assert _health_probe_port(c["readinessProbe"], secure=True) == int(mine["--port"])
         assert {p["containerPort"] for p in c["ports"]} == {int(mine["--port"]), int(mine["--metrics-port"])}
         importlib.import_module("services.stage_worker.main").build_parser().parse_args(argv[1:])
     argv = [_expand(a, _env(docs, coord)) for a in coord["args"]]
@@ -533,3 +589,204 @@ def _coordinator_metric_names() -> set[str]:
     registry = CollectorRegistry()
     registry.register(metrics.CoordinatorCollector(lambda: coordinator_pb2.StatsReply()))
     return {m.name for m in registry.collect()}
+
+
+# --------------------------------------------------------------------------------------------- secure by default
+
+SECURE = {"base": BASE, "overlay": OVERLAY, "pipeline-p1": SECOND_PIPELINE, "autoscaled": AUTOSCALED}
+TLS_ENVS = (settings.TLS_CA_ENV, settings.TLS_CERT_ENV, settings.TLS_KEY_ENV)
+
+
+def test_only_the_dev_overlay_is_plaintext():
+    """Every kustomization a deployment may apply runs TLS in every tether container; the one without is named
+    dev-plaintext and says so in its first line."""
+    folders = [BASE] + sorted(p for p in (K8S / "overlays").iterdir() if p.is_dir())
+    assert DEV in folders and set(SECURE.values()) <= set(folders)
+    for folder in folders:
+        docs = render(folder)
+        containers = [c for d in docs for c in _workload_containers(d)]
+        with_tls = [all(e in {x["name"] for x in c.get("env", [])} for e in TLS_ENVS) for c in containers]
+        if folder == DEV:
+            assert not any(with_tls) and not [d for d in docs if d["kind"] == "NetworkPolicy"]
+            assert (folder / "kustomization.yaml").read_text().startswith("# DEVELOPMENT ONLY: the plaintext shape")
+        else:
+            assert containers and all(with_tls), f"{folder.name}: a tether container without TLS"
+
+
+def _files_of(pod: dict, container: dict, ordinal: int = 0) -> dict[str, tuple[str, str]]:
+    """Path inside `container` -> (Secret name, key) of every Secret file it can read, following a StatefulSet's
+    init container that copies its ordinal's files into an emptyDir the container mounts."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+
+    def sources(volume: dict) -> dict[str, tuple[str, str]]:   # path within the volume -> (secret, key)
+        if "secret" in volume:
+            sec = volume["secret"]
+            return {i["path"]: (sec["secretName"], i["key"]) for i in sec["items"]}
+        if "projected" in volume:
+            return {i["path"]: (s["secret"]["name"], i["key"]) for s in volume["projected"]["sources"]
+                    for i in s["secret"]["items"]}
+        return {}
+    files: dict[str, tuple[str, str]] = {}
+    for m in container.get("volumeMounts", []):
+        volume = volumes[m["name"]]
+        for path, src in sources(volume).items():
+            files[f"{m['mountPath']}/{path}"] = src
+        if "emptyDir" in volume:   # filled by an init container: what it copies there
+            for init in pod["spec"].get("initContainers", []):
+                mounts = {im["name"]: im["mountPath"] for im in init["volumeMounts"]}
+                if m["name"] not in mounts:
+                    continue
+                env = {"STAGE_INDEX": str(ordinal)}
+                script = init["command"][2].replace("$(STAGE_INDEX)", env["STAGE_INDEX"])
+                copied = re.match(r"cp (\S+)/\* (\S+)/ && chmod 0400 \S+$", script)
+                assert init["command"][:2] == ["sh", "-c"] and copied, script
+                src_dir, dst_dir = copied.groups()
+                assert dst_dir == mounts[m["name"]]
+                (from_volume,) = [n for n, path in mounts.items() if src_dir.startswith(path + "/")]
+                prefix = src_dir[len(mounts[from_volume]) + 1:] + "/"
+                for path, src in sources(volumes[from_volume]).items():
+                    if path.startswith(prefix):
+                        files[f"{m['mountPath']}/{path[len(prefix):]}"] = src
+    return files
+
+
+def _tls_containers(docs: list[dict]):
+    """(pod template, container, certificate name, ordinal) of every tether container, its certificate name the
+    one service_commands(tls_dir=) gives its role: stage-<i>, coordinator, admission."""
+    for d in docs:
+        if d["kind"] == "StatefulSet":
+            for i in range(d["spec"]["replicas"]):
+                yield d["spec"]["template"], _workload_containers(d)[0], f"stage-{i}", i
+        elif d["kind"] == "Deployment":
+            for c in _workload_containers(d):
+                role = c["args"][0]
+                name = f"stage-{_flags(c['args'][1:])['--layers'].split('/')[0]}" if role == "stage" else role
+                yield d["spec"]["template"], c, name, 0
+
+
+@pytest.mark.parametrize("name", sorted(SECURE))
+def test_each_container_reads_only_its_own_certificate_and_never_the_ca_key(name):
+    docs = render(SECURE[name])
+    seen = set()
+    for pod, c, cert, ordinal in _tls_containers(docs):
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        files = _files_of(pod, c, ordinal)
+        secret = f"tether-tls-{cert}"
+        assert files[env[settings.TLS_CERT_ENV]] == (secret, "tls.crt"), (c["name"], cert)
+        assert files[env[settings.TLS_KEY_ENV]] == (secret, "tls.key"), (c["name"], cert)
+        assert files[env[settings.TLS_CA_ENV]][1] == "ca.crt"
+        keys = {src for src in files.values() if src[1] == "tls.key"}
+        assert keys == {(secret, "tls.key")}, f"{c['name']} ({cert}) can read another identity's key: {keys}"
+        seen.add(cert)
+        for volume in pod["spec"].get("volumes", []):
+            assert "tether-ca" not in str(volume), "no pod may mount the CA's Secret (its key signs identities)"
+            assert "ca.key" not in str(volume)
+        pod_security = pod["spec"]["securityContext"]
+        assert pod_security["fsGroup"] == IMAGE_UID, "the Secrets' 0440 files are readable by the image's user"
+    assert {"coordinator", "stage-0", "stage-1"} <= seen
+
+
+def _certificates() -> dict[str, dict]:
+    docs = render(CERT_MANAGER)
+    return {d["spec"]["secretName"]: d for d in docs if d["kind"] == "Certificate"}
+
+
+def test_cert_manager_certificates_carry_the_identities_and_the_names_peers_dial():
+    from tether.security.identity import of_service, parse
+    certs = _certificates()
+    ca = certs.pop("tether-ca")
+    assert ca["spec"]["isCA"] is True
+    (ca_issuer,) = [d for d in render(CERT_MANAGER) if d["kind"] == "Issuer" and "ca" in d["spec"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == "tether-ca"
+    both = render(BASE) + render(SECOND_PIPELINE) + render(AUTOSCALED)
+    mounted = {src[0] for pod, c, cert, i in _tls_containers(both) for src in _files_of(pod, c, i).values()}
+    assert mounted - {"tether-tenants"} == set(certs), "every certificate the workloads mount is made here"
+    dialled = {f"stage-{i}": set() for i in range(2)}
+    for docs, prefix in ((render(BASE), ""), (render(BASE) + render(SECOND_PIPELINE), "p1-")):
+        route = _flags(_argv(docs, ("Deployment", f"{prefix}tether-coordinator"))[1:])["--stages"].split(",")
+        for i, address in enumerate(route):
+            dialled[f"stage-{i}"].add(address.rsplit(":", 1)[0])
+    dialled["coordinator"] = {_flags(_argv(render(BASE), ADMISSION)[1:])["--coordinator"].split(":")[1]}
+    dialled["admission"] = {"tether-admission"}
+    for secret, cert in certs.items():
+        name = secret.removeprefix("tether-tls-")
+        spec = cert["spec"]
+        assert spec["uris"] == [of_service(name).uri] and parse(spec["uris"][0]) == of_service(name)
+        assert {"server auth", "client auth"} <= set(spec["usages"]), f"{name} serves and calls"
+        assert spec["issuerRef"] == {"name": ca_issuer["metadata"]["name"], "kind": "Issuer"}
+        assert dialled[name] <= set(spec["dnsNames"]), f"{name}: peers dial {dialled[name]}"
+        assert "127.0.0.1" in spec["ipAddresses"], "the probes dial the pod's loopback"
+        assert spec["privateKey"]["algorithm"] == "ECDSA"
+
+
+# NetworkPolicy semantics (networking.k8s.io/v1), for pods of one namespace and peers by pod or namespace labels
+def _matches(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"selector features not modelled: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admits(policies: list[dict], pod: dict, port: int, peer: dict, peer_namespace: dict) -> bool:
+    """Whether a connection from `peer` (pod labels; its namespace's labels; "same" namespace when
+    peer_namespace is None) to `pod` on `port` is allowed: not isolated, or some selecting policy admits it."""
+    selecting = [p for p in policies if _matches(p["spec"]["podSelector"], pod)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            if "from" not in rule:
+                return True
+            for frm in rule["from"]:
+                same_ns = peer_namespace is None
+                if "namespaceSelector" in frm:
+                    ns_ok = _matches(frm["namespaceSelector"], peer_namespace or {"kubernetes.io/metadata.name": "tether"})
+                else:
+                    ns_ok = same_ns
+                if ns_ok and ("podSelector" not in frm or _matches(frm["podSelector"], peer)):
+                    return True
+    return False
+
+
+def _pods(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def test_network_policies_let_only_admission_reach_coordinators_and_only_a_pipeline_reach_its_stages():
+    """The base and a second pipeline side by side, and a stranger pod of the same namespace: who may open which
+    port, evaluated as Kubernetes evaluates NetworkPolicies."""
+    docs = render(BASE) + render(SECOND_PIPELINE)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = _pods(docs)
+    adm, coord, stage = pods["tether-admission"], pods["tether-coordinator"], pods["tether-stage"]
+    coord1, stage1 = pods["p1-tether-coordinator"], pods["p1-tether-stage"]
+    stranger = {"app": "something-else"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    elsewhere = {"kubernetes.io/metadata.name": "default"}
+
+    def ok(pod, port, peer, ns=None):
+        return _admits(policies, pod, port, peer, ns)
+    for c in (coord, coord1):   # coordinators: admission only
+        assert ok(c, 50061, adm)
+        assert not any(ok(c, 50061, p) for p in (stage, stage1, stranger, coord1 if c is coord else coord))
+        assert not ok(c, 50061, stranger, elsewhere)
+    assert ok(stage, 50071, coord) and ok(stage, 50071, stage)            # its coordinator; the relay from stage 0
+    assert ok(stage1, 50071, coord1) and ok(stage1, 50071, stage1)
+    assert not any(ok(stage, 50071, p) for p in (adm, coord1, stage1, stranger))
+    assert not any(ok(stage1, 50071, p) for p in (adm, coord, stage, stranger))
+    assert not ok(stage, 50071, stranger, monitoring)
+    assert ok(adm, 50051, stranger) and ok(adm, 50051, stranger, elsewhere)   # the public door
+    for pod, metrics_port in ((adm, 9051), (coord, 9061), (stage, 9071), (stage1, 9071)):
+        assert ok(pod, metrics_port, stranger, monitoring)
+        assert not ok(pod, metrics_port, stranger) and not ok(pod, metrics_port, adm)
+    for pod in (adm, coord, stage, stage1):   # anything else: refused by the default deny
+        assert not ok(pod, 8080, stranger) and not ok(pod, 22, adm)
+    # every tether pod is isolated (selected by the default deny), including autoscaled's pipeline pods
+    deny = one(docs, "NetworkPolicy", "tether-default-deny")
+    auto = _pods(render(AUTOSCALED))
+    assert all(_matches(deny["spec"]["podSelector"], labels) for labels in list(pods.values()) + list(auto.values()))
+    auto_policies = [d for d in render(AUTOSCALED) if d["kind"] == "NetworkPolicy"]
+    assert _admits(auto_policies, auto["tether-pipeline"], 50061, auto["tether-admission"], None)
+    assert not _admits(auto_policies, auto["tether-pipeline"], 50071, auto["tether-admission"], None)
