@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     add_experiment_flags(p, "this stage's traffic (the frames it forwards, the replies it answers)")
     service_main.add_flags(p)
-    p.epilog = ("With TLS (mutual), Handshake is taken from the coordinator (stage 0) or a stage (relayed), Forward "
+    p.epilog = ("With TLS (mutual), --tls-cert must name spiffe://tether.local/stage/<i>: that is this stage's "
+                "position. Handshake is taken from the coordinator (stage 0) or stage i-1 (relayed), the next hop "
+                "must present stage/<i+1>, Forward "
                 "only from the peer of the handshake accepted last, SyncState and Release from the coordinator, "
                 "Stats from the coordinator or an operator certificate; other callers get PERMISSION_DENIED.")
     return p
