@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from tether import settings
 from tether.client.wire import Messages, encode_messages
 from tether.generation import sampler
 from tether.generation.inprocess import InProcessEngine, forward_last
@@ -40,7 +41,9 @@ class LoadedModel:
 
 
 @functools.lru_cache(maxsize=4)
-def load(model: str = "tiny", dtype: str = "float32") -> LoadedModel:
+def load(model: str = "tiny", dtype: str = settings.DTYPE) -> LoadedModel:
+    """The whole model in `dtype`; "auto" makes the stages' choice (tether/model/numerics.py), so a served
+    answer is compared with the reference in the numerics it was computed in."""
     folder = resolve_model(model)
     return LoadedModel(folder, load_slice(folder, dtype=dtype), load_model_tokenizer(folder), model_fingerprint(folder),
                        load_chat_template(folder))

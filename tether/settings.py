@@ -60,6 +60,11 @@ KV_MEMORY_MIB = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
 
+# Numerics every service, the reference and the benches default to (--dtype): "auto" is bfloat16 where the CPU
+# computes it natively and a start-up probe finds its kernels invariant unpadded, else float32 padded
+# (tether/model/numerics.py). A pipeline's stages must all choose the same (the handshake refuses a mix).
+DTYPE = "auto"
+
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
 # neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of
 # tether/model/plain.py are a benchmark baseline only).

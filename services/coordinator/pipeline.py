@@ -29,7 +29,7 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.fingerprint = fingerprint
-        self.dtype = dtype
+        self.dtype = dtype   # what the stages must run; "" (--dtype auto): what they chose, stage 0 first
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a stage address appears twice in the route {', '.join(addresses)}")
         # With TLS every call presents our certificate (the stages take handshakes and frames from it alone),

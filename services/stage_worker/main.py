@@ -13,7 +13,8 @@ from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig, parse_layers
-from tether.model.loader import DTYPES, checked_fingerprint, load_slice, resolve_model
+from tether.model import numerics
+from tether.model.loader import checked_fingerprint, load_slice, resolve_model
 from tether.security import authz
 from tether.telemetry import logs, metrics
 
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=":",
                    help="layers to hold: START:END (END exclusive) or I/N for slice I of an even split into N "
                         "(default: all)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", default=settings.DTYPE, choices=numerics.CHOICES,
+                   help="compute dtype; auto: bfloat16 where this CPU runs it natively and invariantly, else "
+                        "float32 (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--kv-memory-mib", type=float, default=settings.KV_MEMORY_MIB, metavar="MIB",
                    help="KV memory over all requests, cached prefixes included; the pool in positions follows from "
@@ -79,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
              kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     checks = not args.unsafe_disable_stamp_checks
-    worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=args.dtype, stamp_checks=checks,
+    worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype), stamp_checks=checks,
                          limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
     # Who may call what, with mutual TLS only (plaintext has no identities); refusals count in Stats.
     guard = authz.AuthzInterceptor(on_refusal=lambda method, why: worker.refusals.update(["PERMISSION_DENIED"]))

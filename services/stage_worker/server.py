@@ -104,7 +104,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # the stage's own fingerprint is not said: a peer that does not know it must not learn it here
             return f"{who} loaded another model: the fingerprints differ (the coordinator expects {req.model_fingerprint})"
         if req.dtype and req.dtype != self.worker.dtype:
-            return f"{who} runs {self.worker.dtype}, coordinator expects {req.dtype}"
+            # req.dtype is the coordinator's --dtype at stage 0 and the upstream stage's own dtype after it
+            # (a coordinator with --dtype auto sends none): a pipeline never mixes numerics
+            whose = "the coordinator expects" if req.index == 0 else "the stages before it run"
+            return f"{who} runs {self.worker.dtype}, {whose} {req.dtype}: a pipeline never mixes numerics"
         if len(req.stamp_key) != KEY_BYTES:
             return f"{who} needs a {KEY_BYTES}-byte stamp key, got {len(req.stamp_key)} bytes"
         if req.index >= len(req.route):
@@ -144,6 +147,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             down.CopyFrom(request)
             down.index = request.index + 1
             down.prev_layer_end = self.model.layer_end
+            down.dtype = self.worker.dtype   # every stage after us must run what we run
             try:
                 reply = await stage_pb2_grpc.StageStub(self.next_channel).Handshake(down, timeout=10)
             except grpc.aio.AioRpcError as e:

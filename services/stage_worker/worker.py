@@ -17,6 +17,7 @@ from services.stage_worker.unchecked import UncheckedStageState
 from tether import settings
 from tether.generation import sampler
 from tether.kv.paged import PagedKV
+from tether.model import numerics
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
 from tether.protocol.stamp_key import StampKey
@@ -55,12 +56,12 @@ class FrameLimits:
 class StageWorker:
     """One stage's model slice, its KV arena and request state, and the step that checks and runs a frame."""
 
-    def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str = "float32",
+    def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str | None = None,
                  stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
                  stamp_key: StampKey | None = None) -> None:
         self.model = model
         self.index = index
-        self.dtype = dtype
+        self.dtype = dtype or numerics.name_of(model.dtype)   # what the handshake says and activations carry
         self.limits = limits
         self.kv_capacity_tokens = kv_capacity_tokens   # the budget as given; the arena holds whole blocks of it
         # The pipeline's stamp key, set by each handshake. None until then: every slot is refused (fail closed).

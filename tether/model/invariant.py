@@ -14,6 +14,10 @@ What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "B
   than it has 4-row units: `invariant_threads` runs a batch of 1-4 rows on 1 thread padded to 4 rows, not on
   T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
 
+- bf16 through oneDNN on a CPU with native bf16 (avx512_bf16, amx_bf16) needs none of this: its GEMM rows
+  have the same bits for every row count and thread count. tether/model/numerics.py probes that at start-up
+  on the model's own shapes; a slice whose dtype passed runs unpadded (`ModelSlice.pad` False).
+
 Attention, the one op that mixes rows, is in tether/model/tiles.py.
 """
 
@@ -32,8 +36,11 @@ from tether.mathutil import ceil_div
 _THREADS_LOCK = threading.Lock()
 
 
-def padded_rows(rows: int, threads: int | None = None) -> int:
-    """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads."""
+def padded_rows(rows: int, threads: int | None = None, pad: bool = True) -> int:
+    """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads; or
+    `rows` itself where the kernels are invariant unpadded (`pad` False: tether/model/numerics.py)."""
+    if not pad:
+        return rows
     unit = 4 * (threads or torch.get_num_threads())
     return max(unit, ceil_div(rows, unit) * unit)
 

@@ -20,6 +20,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
+from tether.model import numerics
 from tether.model.invariant import invariant_threads, pad_rows, padded_rows
 from tether.model.tiles import AttentionPlan, Scratch
 
@@ -139,6 +140,8 @@ class ModelSlice(nn.Module):
         self.has_embedding = layer_start == 0
         self.has_head = layer_end == cfg.num_hidden_layers
         self.dtype = dtype
+        # Pad rows (tether/model/invariant.py) unless this dtype's kernels are invariant unpadded here.
+        self.pad = not numerics.unpadded_invariant(cfg, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layer_end - layer_start))
         if self.has_head:
@@ -186,13 +189,13 @@ class ModelSlice(nn.Module):
 
         Each slot's KV must come from `new_kv` (or the stage's arena) and already have room (`kv.ensure`); on
         success the caller advances `kv.length`. Rows are padded (tether/model/invariant.py) and the padding
-        dropped; a small batch runs on fewer threads (`invariant_threads`, the same bits).
+        dropped (unless `pad` is off: the dtype's kernels are invariant unpadded); a small batch runs on fewer threads (`invariant_threads`, the same bits).
         """
         rows = inputs.shape[0]
         with invariant_threads(rows):
-            padded = padded_rows(rows)
+            padded = padded_rows(rows, pad=self.pad)
             plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
-                                       self.scratch)   # built once per step, shared by every layer
+                                       self.scratch, self.pad)   # built once per step, shared by every layer
             return self.run_layers(inputs, slots, padded, plan)
 
     def run_layers(self, inputs: torch.Tensor, slots: list[SlotRows], padded: int, plan: Attend) -> torch.Tensor:
@@ -212,4 +215,4 @@ class ModelSlice(nn.Module):
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
         rows = hidden.shape[0]
         with invariant_threads(rows):
-            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows))))[:rows].float()
+            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, pad=self.pad))))[:rows].float()

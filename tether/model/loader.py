@@ -12,10 +12,10 @@ from safetensors import safe_open
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
 from tether.model import record, smollm2
+from tether.model.numerics import DTYPES, resolve
 from tether.model.presets import PRESETS, ensure_preset
 from tether.model.tokenizer import Tokenizer, load_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model(model: str) -> Path:
@@ -82,12 +82,13 @@ def _slice_key(name: str, start: int, end: int, cfg: ModelConfig) -> str | None:
 
 def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None = None,
                dtype: str = "float32") -> ModelSlice:
-    """Load layers [layer_start, layer_end) (all by default) reading only the tensors the slice needs."""
+    """Load layers [layer_start, layer_end) (all by default) reading only the tensors the slice needs, in
+    `dtype` ("auto": as tether/model/numerics.py chooses for this machine; the slice's `dtype` says which).
+    The services and the reference default to settings.DTYPE; this library call says float32 unless told."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     end = cfg.num_hidden_layers if layer_end is None else layer_end
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    dtype = resolve(dtype, cfg)
     model = ModelSlice(cfg, layer_start, end, DTYPES[dtype])
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(folder):

@@ -109,9 +109,9 @@ class TileBatch:
     hidden: torch.Tensor       # [pairs, 1, height, block]: the key is past the query (padding rows see all)
 
     @classmethod
-    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena) -> "TileBatch":
+    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena, pad: bool = True) -> "TileBatch":
         block, count = arena.block, tiles[0].count
-        height = padded_rows(heads // kv_heads * count)
+        height = padded_rows(heads // kv_heads * count, pad=pad)
         offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
         pair_tile, blocks, tags, first_pos = [], [], [], []
         for n, t in enumerate(tiles):   # plain ints: a step's plan is mostly Python, keep it lean
@@ -145,8 +145,10 @@ class AttentionPlan:
     outputs: int               # tile rows over all batches
 
     @classmethod
-    def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch) -> "AttentionPlan":
-        """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`)."""
+    def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch,
+              pad: bool = True) -> "AttentionPlan":
+        """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`); `pad`: pad tile heights
+        (`padded_rows`), as the micro-batch's rows are."""
         arena = slots[0].kv.arena
         head_dim = arena.head_dim
         block = arena.block
@@ -165,15 +167,15 @@ class AttentionPlan:
         for count, tiles in by_count.items():
             # split so that one batch's scores and gathered keys stay within BATCH_ELEMENTS each (a batch
             # holds at least one tile)
-            unit = kv_heads * max(padded_rows(heads // kv_heads * count), head_dim) * block
+            unit = kv_heads * max(padded_rows(heads // kv_heads * count, pad=pad), head_dim) * block
             start = size = 0
             for n, t in enumerate(tiles):
                 pairs = ceil_div(t.position + count, block)
                 if n > start and size + pairs * unit > BATCH_ELEMENTS:
-                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena))
+                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena, pad))
                     start, size = n, 0
                 size += pairs * unit
-            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena))
+            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena, pad))
         layout = tuple((b.count, b.height, b.rows) for b in batches)
         out_index, outputs = output_rows(padded, heads, kv_heads, block, layout)
         return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)

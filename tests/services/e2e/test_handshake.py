@@ -13,14 +13,14 @@ from tether.cli.cluster import LocalCluster, Service, free_port
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, common_pb2
 
 
-def _start(tmp_path, stage_specs: list[tuple[str, str]]) -> LocalCluster:
-    """Stages with explicit (model, layers) plus a coordinator over them; no admission."""
+def _start(tmp_path, stage_specs: list[tuple[str, ...]]) -> LocalCluster:
+    """Stages with explicit (model, layers, *more flags) plus a coordinator (--dtype auto) over them; no admission."""
     c = LocalCluster(model="tiny", log_dir=tmp_path)
     py = [sys.executable, "-m"]
-    for i, (model, layers) in enumerate(stage_specs):
+    for i, (model, layers, *more) in enumerate(stage_specs):
         port = free_port()
         c.services.append(Service(f"stage{i}", py + ["services.stage_worker", "--port", str(port), "--model", model,
-                                                     "--layers", layers, "--threads", "1"], f"127.0.0.1:{port}"))
+                                                     "--layers", layers, "--threads", "1", *more], f"127.0.0.1:{port}"))
     route = ",".join(s.address for s in c.services)
     port = free_port()
     c.services.append(Service("coordinator", py + ["services.coordinator", "--port", str(port), "--model", "tiny",
@@ -59,6 +59,8 @@ def _refusal(c: LocalCluster, timeout: float = 120.0) -> str:
     ([("tiny", "0:3"), ("tiny", "2:4")], ["stage 1", "overlap"]),
     ([("tiny", "0:2"), ("tiny", "2:3")], ["stage 1", "lacks the head"]),
     ([("tiny", "0:2"), ("small", "4:8")], ["stage 1", "model"]),
+    ([("tiny", "0:2", "--dtype", "float32"), ("tiny", "2:4", "--dtype", "bfloat16")],
+     ["stage 1", "runs bfloat16", "the stages before it run float32", "never mixes numerics"]),
 ])
 def test_mis_assembled_pipeline_is_refused_with_reason(tmp_path, specs, words):
     c = _start(tmp_path, specs)

@@ -134,7 +134,7 @@ class LiveStage:
         self.log_path = log_dir / f"stage-{self.port}.log"
         base = {k: v for k, v in os.environ.items() if k != settings.FAULTS_ENV}
         argv = [sys.executable, "-m", "services.stage_worker", "--port", str(self.port), "--model", "tiny",
-                "--threads", "1", *args]
+                "--threads", "1", "--dtype", "float32", *args]   # float32 frames below; a later --dtype wins
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                          env={**base, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -170,7 +170,7 @@ class LiveStage:
         reply = self.stub.Handshake(stage_pb2.HandshakeRequest(
             protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=FINGERPRINT,
             route=[stage_pb2.RouteEntry(address=a) for a in addresses], index=index, prev_layer_end=prev_end,
-            pipeline_epoch=self.epoch, dtype="float32", stamp_key=KEY.key), timeout=15)
+            pipeline_epoch=self.epoch, dtype="", stamp_key=KEY.key), timeout=15)   # "": as --dtype auto
         assert reply.ok, reply.error
         self.info = reply.stages[0]
         return reply

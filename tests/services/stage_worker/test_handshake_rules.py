@@ -20,7 +20,7 @@ def folder():
 
 
 def servicer(folder, start: int, end: int) -> StageServicer:
-    worker = StageWorker(load_slice(folder, start, end), 0, 1024, stamp_key=KEY)
+    worker = StageWorker(load_slice(folder, start, end, "float32"), 0, 1024, stamp_key=KEY)
     return StageServicer(worker, model_fingerprint(folder), "127.0.0.1:1")
 
 
@@ -37,12 +37,14 @@ def request(folder, index: int, stages: int, prev_end: int, **over) -> stage_pb2
 
 def test_a_matching_stage_accepts(folder):
     assert servicer(folder, 2, 4)._refusal(request(folder, 1, 2, 2)) is None
+    assert servicer(folder, 2, 4)._refusal(request(folder, 1, 2, 2, dtype="")) is None   # coordinator --dtype auto
 
 
 @pytest.mark.parametrize("start,end,index,stages,prev,over,words", [
     (2, 4, 1, 2, 2, {"protocol_version": settings.PROTOCOL_VERSION + 1}, "protocol"),
     (2, 4, 1, 2, 2, {"model_fingerprint": "0123456789abcdef"}, "expects 0123456789abcdef"),
-    (2, 4, 1, 2, 2, {"dtype": "bfloat16"}, "bfloat16"),
+    (2, 4, 1, 2, 2, {"dtype": "bfloat16"}, "the stages before it run bfloat16: a pipeline never mixes numerics"),
+    (0, 4, 0, 1, 0, {"dtype": "bfloat16"}, "the coordinator expects bfloat16"),
     (3, 4, 1, 2, 2, {}, "gap"),
     (1, 4, 1, 2, 2, {}, "overlap"),
     (2, 3, 1, 2, 2, {}, "lacks the head"),

@@ -27,7 +27,7 @@ PARAMS = reference.sampling_params(max_tokens=1, ignore_eos=True)
 @pytest.fixture(scope="module")
 def slices():
     folder = resolve_model("tiny")
-    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+    return load_slice(folder, 0, 2, settings.DTYPE), load_slice(folder, 2, 4, settings.DTYPE)   # as the reference
 
 
 def seed_of(tenant: str = "") -> int:
@@ -61,8 +61,8 @@ def slot(rid: str, ids: list[int], cached: int = 0, tenant: str = "") -> stage_p
 
 
 def last_row(forward: stage_pb2.Frame, hidden: int) -> torch.Tensor:
-    rows = len(forward.activations.data) // (4 * hidden)
-    return tensors.decode(forward.activations, rows=rows, width=hidden, dtype="float32")[-1]
+    rows = forward.activations.shape[0]
+    return tensors.decode(forward.activations, rows=rows, width=hidden, dtype=forward.activations.dtype)[-1]
 
 
 def test_a_hit_gives_the_bits_of_a_cold_prefill(slices):
@@ -76,7 +76,7 @@ def test_a_hit_gives_the_bits_of_a_cold_prefill(slices):
     prompt = SHARED + [42, 43, 44]
     res, fwd = warm.run(slot("b", prompt, cached=2 * BLOCK))
     assert res["b"].ok, (RejectReason.Name(res["b"].reason), res["b"].detail)
-    assert len(fwd.activations.data) == 3 * hidden * 4   # only the 3 uncached rows travel
+    assert fwd.activations.shape[0] == 3   # only the 3 uncached rows travel
 
     cold = Pipe(slices)
     res_cold, fwd_cold = cold.run(slot("b", prompt))

@@ -29,7 +29,7 @@ def lm():
 @pytest.fixture(scope="module")
 def slices():
     folder = resolve_model("tiny")
-    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+    return load_slice(folder, 0, 2, settings.DTYPE), load_slice(folder, 2, 4, settings.DTYPE)   # as the reference
 
 
 @dataclass
@@ -234,15 +234,16 @@ def test_bad_tensor_at_stage_1(pipe, corrupt):
     reqs = _two_requests()
     fwd = _forward_of(pipe, reqs)
     rows, width = fwd.activations.shape
+    itemsize = len(fwd.activations.data) // (rows * width)   # the pipeline's dtype: float32 or bfloat16 (auto)
     if corrupt == "shape":          # same bytes, claimed as another shape
         fwd.activations.shape[:] = [rows * 2, width // 2]
     elif corrupt == "rows":         # one row dropped (bytes and shape agree, but not with the stamps)
         fwd.activations.shape[:] = [rows - 1, width]
-        fwd.activations.data = fwd.activations.data[: (rows - 1) * width * 4]
-    elif corrupt == "dtype":
-        fwd.activations.dtype = "bfloat16"
+        fwd.activations.data = fwd.activations.data[: (rows - 1) * width * itemsize]
+    elif corrupt == "dtype":        # the other dtype of the same bytes
+        fwd.activations.dtype = "float16" if fwd.activations.dtype == "bfloat16" else "bfloat16"
     else:
-        fwd.activations.data = fwd.activations.data[:-4]
+        fwd.activations.data = fwd.activations.data[:-itemsize]
     KEY.seal(fwd)      # the digest is right: only the tensor check can catch it
     _assert_all_rejected(pipe.w1.process(fwd).results, reqs, RejectReason.BAD_TENSOR, 1)
     assert pipe.w1.kv_used_tokens() == 0 and pipe.w1.state.requests == {}
@@ -259,7 +260,7 @@ def test_non_finite_activations_at_stage_1(pipe, bad):
         r.ids.append(70)
     before_used, before_held = pipe.w1.kv_used_tokens(), [pipe.w1.state.held(r.rid) for r in reqs]
     fwd = _forward_of(pipe, reqs)
-    h = tensors.decode(fwd.activations, rows=2, width=fwd.activations.shape[1], dtype="float32").clone()
+    h = tensors.decode(fwd.activations, rows=2, width=fwd.activations.shape[1], dtype=fwd.activations.dtype).clone()
     h[1, 3] = bad
     fwd.activations.CopyFrom(tensors.encode(h))
     KEY.seal(fwd)

@@ -1,5 +1,6 @@
 """Batch invariance, bitwise: a request's logits do not depend on its neighbours, its prompt chunking, the
-pipeline split or the thread count (torch.equal, never allclose)."""
+pipeline split or the thread count (torch.equal, never allclose). In float32 (padded) and in the dtype
+`auto` picks here (bfloat16 unpadded where the CPU has it natively and the start-up probe passed)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,29 @@ def folder():
     return resolve_model("tiny")
 
 
-@pytest.fixture(scope="module")
-def full(folder):
-    return load_slice(folder)
+@pytest.fixture(scope="module", params=["float32", "auto"])
+def dtype(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def splits(folder, full):
+def full(folder, dtype):
+    return load_slice(folder, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def splits(folder, full, dtype):
     n = full.cfg.num_hidden_layers
-    return {s: [load_slice(folder, a, b) for a, b in even_split(n, s)] for s in (1, 2, 3, 4)}
+    return {s: [load_slice(folder, a, b, dtype) for a, b in even_split(n, s)] for s in (1, 2, 3, 4)}
+
+
+def test_auto_runs_unpadded_bfloat16_exactly_where_the_probe_passed(folder):
+    from tether.model import numerics
+
+    m = load_slice(folder, dtype="auto")
+    native = not numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags())
+    assert (m.dtype == torch.bfloat16) == (native and numerics.unpadded_invariant(m.cfg, torch.bfloat16))
+    assert m.pad == (m.dtype != torch.bfloat16)
 
 
 def chunking(draw, n: int) -> list[int]:

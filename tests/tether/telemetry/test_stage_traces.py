@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.stage_worker.worker import StageTraces, StageWorker, frame_digest
-from tether import reference
+from tether import reference, settings
 from tether.model.loader import load_slice, resolve_model
 from tether.protocol.hashing import context_hash, hash_seed, sampling_digest
 from tether.telemetry import tracing
@@ -26,7 +26,7 @@ PARENT = "cd" * 8
 @pytest.fixture(scope="module")
 def slices():
     folder = resolve_model("tiny")
-    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+    return load_slice(folder, 0, 2, settings.DTYPE), load_slice(folder, 2, 4, settings.DTYPE)   # as the reference
 
 
 @pytest.fixture
