@@ -204,28 +204,22 @@ class StageWorker:
         return self.model(x, slots)
 
     def _sample(self, key: StampKey, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
-        ends, sampled = [], []
+        ends, params, positions = [], [], []
         row = 0
         for slot, a, _ in admitted:
             row += a.rows
             if slot.sample:
                 ends.append(row - 1)
-                sampled.append(slot)
-        logits = self.model.logits(h[ends]) if ends else None
-        # Greedy slots in one argmax over their rows (first maximum per row, as sampler.sample): one op
-        # instead of one per slot; sampled slots draw one by one.
-        greedy = [k for k, slot in enumerate(sampled) if slot.sampling.temperature <= 0]
-        tokens: dict[int, int] = {}
-        if greedy:
-            tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
+                params.append(slot.sampling)
+                positions.append(a.position + len(a.token_ids))
+        # Every sampled slot in one batched draw: the tokens of sampler.sample row by row, in a few ops
+        tokens = sampler.sample_rows(self.model.logits(h[ends]), params, positions) if ends else []
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)
             if slot.sample:
                 res.has_token = True
-                token = tokens.get(k)
-                if token is None:
-                    token = sampler.sample(logits[k], slot.sampling, a.position + len(a.token_ids))
+                token = tokens[k]
                 res.token_id = token
                 # committed chain + the token, bound (keyed) to the request id, epoch, position and the
                 # parameters actually used

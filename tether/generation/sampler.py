@@ -56,3 +56,44 @@ def draw_distance(logits: torch.Tensor, params: common_pb2.SamplingParams, token
     if high <= low:  # the token was filtered out entirely
         return float("inf")
     return max(low - u, u - high, 0.0)
+
+
+def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int]) -> list[int]:
+    """`sample` for every row of `logits` [rows, vocab] with its own parameters and position, in a few batched
+    ops instead of a dozen per row: the same tokens, bit for bit (the same float64 ops on each row; tested
+    against `sample` row by row). The last stage samples a micro-batch with it."""
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    if greedy:   # first maximum per row, as torch.argmax of one row
+        for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            tokens[i] = t
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not drawn:
+        return tokens
+    vocab = logits.shape[-1]
+    ps = [params[i] for i in drawn]
+    x = logits[drawn].double() / torch.tensor([p.temperature for p in ps], dtype=torch.float64)[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
+    if any(top_k):
+        # the k-th largest value of each row (topk's last value): everything below it is out
+        ordered = torch.sort(x, dim=-1, descending=True).values
+        kth = ordered.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k])[:, None])
+        kth[torch.tensor([k == 0 for k in top_k])] = float("-inf")
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    nucleus = [r for r, p in enumerate(ps) if 0 < p.top_p < 1]
+    if nucleus:
+        sub = probs[nucleus]
+        sorted_p, order = torch.sort(sub, dim=-1, descending=True, stable=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        top_p = torch.tensor([ps[r].top_p for r in nucleus], dtype=torch.float64)[:, None]
+        drop = torch.zeros_like(sorted_p, dtype=torch.bool).scatter(1, order, (cum - sorted_p) >= top_p)
+        sub = sub.masked_fill(drop, 0.0)
+        probs[nucleus] = sub / sub.sum(dim=-1, keepdim=True)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.tensor([uniform(p.seed, positions[i]) for p, i in zip(ps, drawn)], dtype=torch.float64)
+    u = (u * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)[:, 0].tolist()
+    for i, t in zip(drawn, picked):
+        tokens[i] = t
+    return tokens

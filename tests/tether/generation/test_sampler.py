@@ -152,3 +152,35 @@ def test_draw_distance_is_positive_for_other_tokens():
             assert d == float("inf")                          # filtered out entirely
         else:
             assert d > 0.0
+
+
+# --- batched sampling: the last stage's micro-batch at once, the tokens of `sample` row by row ----------------
+
+ROW_PARAMS = st.builds(lambda t, k, p, seed: sampling_params(temperature=t, top_k=k, top_p=p, seed=seed),
+                       st.sampled_from([0.0, 0.05, 0.7, 1.0, 2.0]), st.sampled_from([0, 1, 3, 50, V, V + 7]),
+                       st.sampled_from([0.0, 0.2, 0.9, 0.999, 1.0]), st.integers(0, 2**63 - 1))
+
+
+@FAST
+@given(rows=st.lists(st.tuples(ROW_PARAMS, st.integers(0, 8191), st.integers(0, 2**31),
+                               st.sampled_from([0.1, 3.0, 30.0])), min_size=1, max_size=9),
+       vocab=st.sampled_from([2, V, 1000]), ties=st.booleans())
+def test_sample_rows_gives_the_tokens_of_sample_row_by_row(rows, vocab, ties):
+    logits = torch.stack([logits_row(seed, scale, vocab) for _, _, seed, scale in rows])
+    if ties:   # repeated values: first maximum, top-k cut-offs and sort order on equal values
+        logits = logits.round()
+    params = [p for p, _, _, _ in rows]
+    positions = [pos for _, pos, _, _ in rows]
+    want = [sampler.sample(logits[i], params[i], positions[i]) for i in range(len(rows))]
+    assert sampler.sample_rows(logits, params, positions) == want
+
+
+def test_sample_rows_on_the_real_vocabulary():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 49152, generator=g) * 6
+    params = [sampling_params(temperature=t, top_k=k, top_p=p, seed=i)
+              for i, (t, k, p) in enumerate([(0.7, 0, 0.0), (1.0, 40, 0.9), (0.0, 0, 0.0), (0.3, 0, 0.95),
+                                              (1.3, 5, 0.0), (0.8, 0, 0.5), (0.0, 5, 0.5), (2.0, 49152, 1.0)])]
+    positions = list(range(100, 108))
+    assert sampler.sample_rows(logits, params, positions) == [
+        sampler.sample(logits[i], params[i], positions[i]) for i in range(8)]
