@@ -13,7 +13,7 @@ DEFAULT_RETRIES = 2    # the SDK's default policy: 3 attempts in all
 
 RETRIES_HELP = ("retries after a refused (RESOURCE_EXHAUSTED with a RetryInfo delay), unavailable or aborted "
                 "attempt, waiting at least the delay the server asks for plus a random backoff, never past "
-                "--timeout; a stream is retried only before its first token is printed; 0 disables "
+                "--timeout; a stream that broke resumes after the tokens already printed; 0 disables "
                 "(default: %(default)s)")
 
 

@@ -10,8 +10,9 @@
         print(c.chat([{"role": "user", "content": "Hi"}]).text)   # a conversation; stream_chat too
 
 Every answer's receipt is checked against what this client sent; a mismatch raises ReceiptMismatch.
-Refused, unavailable and aborted calls are retried (tether.client.retry; `retry=` on the clients), streams only
-before their first token; `result.attempts` says how many attempts a call took.
+Refused, unavailable and aborted calls are retried (tether.client.retry; `retry=` on the clients), a stream that
+broke after tokens reached you resuming where it stopped (`Client(targets=[...])` gives it other admissions to
+try); `result.attempts` says how many attempts a call took.
 """
 
 from tether.client.aio import AsyncClient, AsyncStream

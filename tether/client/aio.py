@@ -9,14 +9,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.common import ClientCore, StreamCore
+from tether.client.common import ClientCore, Starter, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import Retrier, RetryPolicy, RetryRun
 from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
                                 sent_and_request, tag_request, tags_dict)
 from tether.types import Delta
-from tether.v1 import admission_pb2
+from tether.v1 import admission_pb2, admission_pb2_grpc
 
 T = TypeVar("T")
 
@@ -43,13 +43,15 @@ class AsyncStream(StreamCore):
     are set from the first chunk on. `cancel()` cancels the request on the server; call it when you stop
     iterating early (an abandoned async iterator is only closed when it is garbage collected).
 
-    Retries: a stream that fails with a retryable status (refused, unavailable, aborted) *before its first
-    token was handed to you* is started again as a new call, after the failed one has ended, like `generate`
-    (same policy, budget and deadline). Once a token has been handed to you a failure is raised instead:
-    tokens already shown cannot be taken back. `.attempts` counts the calls made.
+    Retries: a stream that fails with a retryable status (refused, unavailable, aborted; a reset connection or
+    a dead admission reads as unavailable) is started again as a new call once the failed one has ended, like
+    `generate` (same policy, budget and deadline, on the next admission of `targets`). A stream that had
+    handed you tokens resumes after them (`resume_tokens`, with the seed its first chunk reported): iteration
+    goes on where it stopped, no token repeated or missing, and the final receipt covers the whole answer.
+    `.attempts` counts the calls made.
     """
 
-    def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall], prompt: Sent, request_id: str,
+    def __init__(self, start: Starter, prompt: Sent, request_id: str,
                  run: RetryRun, retrier: Retrier) -> None:
         self._retrier = retrier
         self._cancelled = asyncio.Event()
@@ -61,7 +63,6 @@ class AsyncStream(StreamCore):
                 try:
                     async for chunk in self._call:
                         delta = self._assembler.add(chunk)
-                        self._delivered = True
                         yield delta
                 except grpc.aio.AioRpcError as e:
                     raise from_rpc_error(e) from None
@@ -85,14 +86,14 @@ class AsyncClient(ClientCore):
 
     `timeout` and `retry` as `tether.client.Client`: the timeout bounds all of a call's attempts together;
     `retry` is a RetryPolicy, True (the default policy) or None/False (one attempt). `api_key`, `tls`,
-    `tls_ca`, `tls_cert`, `tls_key` as `Client` (defaults from TETHER_API_KEY and TETHER_TLS_*).
+    `tls_ca`, `tls_cert`, `tls_key` and `targets` as `Client` (defaults from TETHER_API_KEY and TETHER_TLS_*).
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
                  retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
                  tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
-        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=True)
+                 tls_key: str | None = None, targets: Sequence[str] | None = None) -> None:
+        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=True, targets=targets)
 
     async def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -123,7 +124,7 @@ class AsyncClient(ClientCore):
     def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start a request and return its `AsyncStream` (not awaited: iterate it; retried only before its first
+        """Start a request and return its `AsyncStream` (not awaited: iterate it; a broken stream resumes where it stopped
         token); same parameters as `generate`."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
@@ -133,8 +134,8 @@ class AsyncClient(ClientCore):
     def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                     tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `AsyncStream` (retried only
-        before its first token)."""
+        """Start the assistant's reply to a conversation (as `chat`) and return its `AsyncStream` (a broken
+        stream resumes where it stopped)."""
         sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
                                          top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                          tenant=tenant, priority=priority, request_id=request_id)
@@ -148,17 +149,17 @@ class AsyncClient(ClientCore):
         data = encode_prompt(prompt) if prompt is not None else b""
         request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
 
-        async def attempt(timeout: float | None) -> dict[str, Any]:
+        async def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> dict[str, Any]:
             try:
-                return tags_dict((await self._stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
+                return tags_dict((await stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
         return (await self._with_retries(attempt))[0]
 
     async def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
-        async def attempt(timeout: float | None) -> GenerateResult:
+        async def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> GenerateResult:
             try:
-                response = await self._stub.Generate(request, timeout=timeout, metadata=self._metadata())
+                response = await stub.Generate(request, timeout=timeout, metadata=self._metadata())
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -166,13 +167,15 @@ class AsyncClient(ClientCore):
         result.attempts = attempts
         return result
 
-    async def _with_retries(self, attempt: Callable[[float | None], Awaitable[T]]) -> tuple[T, int]:
+    async def _with_retries(self, attempt: Callable[[float | None, Any], Awaitable[T]]) -> tuple[T, int]:
         """Await `attempt(timeout)` until it returns or the policy gives up. An awaited unary call has ended
         (answered or failed) when the await returns, so attempts never overlap."""
         run = self.retrier.begin(self.timeout)
+        stub_for = self._stub_picker()   # a retry goes to the next admission, when there are several
         while True:
             try:
-                return await attempt(run.attempt_timeout()), run.attempts
+                timeout = run.attempt_timeout()
+                return await attempt(timeout, stub_for(run.attempts)), run.attempts
             except TetherError as error:
                 delay = run.after_failure(error)
                 if delay is None:
@@ -184,7 +187,8 @@ class AsyncClient(ClientCore):
                            self.retrier)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -7,7 +7,8 @@ written once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -15,22 +16,28 @@ import grpc
 from tether.client.credentials import call_metadata, open_channel, resolve
 from tether.client.errors import TetherError
 from tether.client.receipt import Sent
-from tether.client.retry import STREAM_STARTED, Retrier, RetryPolicy, RetryRun, make_retrier
+from tether.client.retry import Retrier, RetryPolicy, RetryRun, make_retrier
 from tether.client.tracecontext import trace_metadata
 from tether.client.wire import GenerateResult, StreamAssembler
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
 
+# Starts one attempt of a stream: (gRPC timeout, attempt number from 1, tokens the caller already has, the seed
+# to continue them with) -> the call.
+Starter = Callable[[float | None, int, Sequence[int], int], Any]
+
+
 class StreamCore:
     """One streamed request across its attempts: the call in progress, the assembler of its chunks, and the
-    retry rule (again as a new call only while no token has reached the caller, as the policy allows)."""
+    retry rule: a failed attempt is followed, as the policy and budget allow, by a new call that resumes after
+    the tokens already handed to the caller (`resume_tokens`, with the seed the first chunk reported), so the
+    caller's iteration goes on where it stopped, with no token repeated or missing."""
 
-    def __init__(self, start: Callable[[float | None], Any], prompt: Sent, request_id: str, run: RetryRun) -> None:
+    def __init__(self, start: Starter, prompt: Sent, request_id: str, run: RetryRun) -> None:
         self._start = start
         self._prompt, self._request_id = prompt, request_id
         self._run = run
-        self._delivered = False      # a Delta reached the caller: no retry from then on
-        self._call = start(run.attempt_timeout())
+        self._call = start(run.attempt_timeout(), run.attempts, (), 0)
         self._assembler = StreamAssembler(prompt, request_id)
         self.result: GenerateResult | None = None
 
@@ -49,16 +56,14 @@ class StreamCore:
 
     @property
     def attempts(self) -> int:
-        """Calls made for this stream so far: 1, or more after retries before the first token."""
+        """Calls made for this stream so far: 1, or more after retries (each resuming where the last stopped)."""
         return self._run.attempts
 
     def _retry_delay(self, error: TetherError, cancelled: bool) -> float:
-        """Seconds to wait before the next attempt after `error`; raises `error` when there is none: a token
-        was delivered (tokens shown cannot be taken back), the caller cancelled, or the policy gives up."""
-        if self._delivered or cancelled:
+        """Seconds to wait before the next attempt after `error`; raises `error` when there is none: the caller
+        cancelled, or the policy (attempts, deadline, budget, a status not worth retrying) gives up."""
+        if cancelled:
             error.attempts = self._run.attempts
-            if self._delivered:
-                error.gave_up = STREAM_STARTED
             raise error
         delay = self._run.after_failure(error)
         if delay is None:
@@ -66,11 +71,13 @@ class StreamCore:
         return delay
 
     def _restart(self, cancelled: bool) -> None:
-        """Start the next attempt as a new call with a fresh assembler (unless cancelled during the wait)."""
+        """Start the next attempt as a new call (unless cancelled during the wait): after the tokens the caller
+        already has, which the new assembler carries on from."""
         if cancelled:
             raise TetherError("the stream was cancelled while waiting to retry", grpc.StatusCode.CANCELLED) from None
-        self._assembler = StreamAssembler(self._prompt, self._request_id)
-        self._call = self._start(self._run.attempt_timeout())
+        had = self._assembler
+        self._assembler = StreamAssembler(self._prompt, self._request_id, after=had)
+        self._call = self._start(self._run.attempt_timeout(), self._run.attempts, had.token_ids, had.seed)
 
     def _finish(self) -> None:
         self.result = self._assembler.finish()
@@ -82,17 +89,41 @@ class ClientCore:
 
     def __init__(self, target: str, timeout: float | None, retry: RetryPolicy | Retrier | bool | None,
                  api_key: str | None, tls: bool | None, tls_ca: str | None, tls_cert: str | None,
-                 tls_key: str | None, aio: bool) -> None:
+                 tls_key: str | None, aio: bool, targets: Sequence[str] | None = None) -> None:
         self.timeout = timeout
         self.retrier = make_retrier(retry)
         self._conn = resolve(api_key, tls, tls_ca, tls_cert, tls_key)
-        self._channel = open_channel(target, self._conn, aio=aio)
-        self._stub = admission_pb2_grpc.AdmissionStub(self._channel)
+        if isinstance(targets, str):
+            raise TypeError("targets must be a list of HOST:PORT addresses; for one, use target=")
+        self.targets = list(targets) if targets else [target]
+        self._channels = [open_channel(t, self._conn, aio=aio) for t in self.targets]
+        self._stubs = [admission_pb2_grpc.AdmissionStub(ch) for ch in self._channels]
+        self._stub, self._channel = self._stubs[0], self._channels[0]
+        self._turns = itertools.count()   # which admission a call tries first: round robin over the targets
 
-    def _stream_starter(self, request: admission_pb2.GenerateRequest) -> Callable[[float | None], Any]:
-        """Starts one attempt of a GenerateStream call with the given timeout."""
+    def _stub_picker(self) -> Callable[[int], Any]:
+        """For one call: the stub of its attempt n (from 1), starting at the next admission in turn and moving
+        to the following one on every retry, so a call that lost its admission tries another."""
+        first = next(self._turns)
+        return lambda attempt: self._stubs[(first + attempt - 1) % len(self._stubs)]
+
+    def _stream_starter(self, request: admission_pb2.GenerateRequest) -> Starter:
+        """Starts one attempt of a GenerateStream call: with the given timeout, on its attempt's admission,
+        resuming after `resume` (the tokens the caller already has) with `seed` (the one the first chunk
+        reported: an answer that was sampled continues with the seed admission drew for it)."""
         metadata = self._metadata()   # the caller's span where it asked, whenever the attempts run
-        return lambda timeout: self._stub.GenerateStream(request, timeout=timeout, metadata=metadata)
+        stub_for = self._stub_picker()
+
+        def start(timeout: float | None, attempt: int, resume: Sequence[int], seed: int) -> Any:
+            sent = request
+            if resume:
+                sent = admission_pb2.GenerateRequest()
+                sent.CopyFrom(request)
+                sent.resume_tokens[:] = resume
+                if seed:
+                    sent.sampling.seed = seed
+            return stub_for(attempt).GenerateStream(sent, timeout=timeout, metadata=metadata)
+        return start
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         """Every call's metadata: the API key, and the caller's current span (tracecontext.py)."""

@@ -190,10 +190,6 @@ class Retrier:
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
-# Why a stream's failure was raised although its status is retryable.
-STREAM_STARTED = ("not retried: the stream had already handed tokens to the caller, and tokens already shown "
-                  "cannot be taken back")
-
 
 def make_retrier(retry: "RetryPolicy | Retrier | bool | None") -> Retrier:
     """What a client's `retry=` argument means: True = the default policy, None/False = one attempt only."""

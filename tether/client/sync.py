@@ -9,14 +9,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tether.client.common import ClientCore, StreamCore
+from tether.client.common import ClientCore, Starter, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import Retrier, RetryPolicy, RetryRun
 from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
                                 sent_and_request, tag_request, tags_dict)
 from tether.types import Delta
-from tether.v1 import admission_pb2
+from tether.v1 import admission_pb2, admission_pb2_grpc
 
 T = TypeVar("T")
 
@@ -29,13 +29,15 @@ class Stream(StreamCore):
     Stopping early (break) or `cancel()` cancels the request on the server.
     Raises TetherError subclasses, ReceiptMismatch included, from the iteration.
 
-    Retries: a stream that fails with a retryable status (refused, unavailable, aborted) *before its first
-    token was handed to you* is started again as a new call, after the failed one has ended, like `generate`
-    (same policy, budget and deadline). Once a token has been handed to you a failure is raised instead:
-    tokens already shown cannot be taken back. `.attempts` counts the calls made.
+    Retries: a stream that fails with a retryable status (refused, unavailable, aborted; a reset connection or
+    a dead admission reads as unavailable) is started again as a new call once the failed one has ended, like
+    `generate` (same policy, budget and deadline, on the next admission of `targets`). A stream that had
+    handed you tokens resumes after them (`resume_tokens`, with the seed its first chunk reported): iteration
+    goes on where it stopped, no token repeated or missing, and the final receipt covers the whole answer.
+    `.attempts` counts the calls made.
     """
 
-    def __init__(self, start: Callable[[float | None], grpc.Call], prompt: Sent, request_id: str, run: RetryRun,
+    def __init__(self, start: Starter, prompt: Sent, request_id: str, run: RetryRun,
                  sleep: Callable[[float], object] | None) -> None:
         self._cancelled = threading.Event()
         self._sleep = sleep if sleep is not None else self._cancelled.wait   # a cancel() cuts the wait short
@@ -47,7 +49,6 @@ class Stream(StreamCore):
                 try:
                     for chunk in self._call:
                         delta = self._assembler.add(chunk)
-                        self._delivered = True
                         yield delta
                 except grpc.RpcError as e:
                     raise from_rpc_error(e) from None
@@ -79,14 +80,16 @@ class Client(ClientCore):
     to your tenant. TLS: `tls_ca` (PEM path verifying admission; default $TETHER_TLS_CA), `tls_cert` and
     `tls_key` (a client certificate, when admission asks for one; $TETHER_TLS_CERT, $TETHER_TLS_KEY); any of
     them turns TLS on, `tls=True` with the system's roots, `tls=False` forces plaintext.
+    `targets`: several admissions (HOST:PORT each) instead of `target`: calls take turns over them, and a retry
+    (a refused call, a broken stream) goes to the next one.
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None,
                  retry: RetryPolicy | Retrier | bool | None = True, api_key: str | None = None,
                  tls: bool | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
-        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=False)
+                 tls_key: str | None = None, targets: Sequence[str] | None = None) -> None:
+        super().__init__(target, timeout, retry, api_key, tls, tls_ca, tls_cert, tls_key, aio=False, targets=targets)
 
     def generate(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -117,7 +120,7 @@ class Client(ClientCore):
     def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start a request and return its `Stream` (see there: retried only before its first token); same
+        """Start a request and return its `Stream` (see there: a broken stream resumes where it stopped); same
         parameters as `generate`."""
         sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
@@ -127,8 +130,8 @@ class Client(ClientCore):
     def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
                     tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream` (retried only
-        before its first token)."""
+        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream` (a broken
+        stream resumes where it stopped)."""
         sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
                                          top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                          tenant=tenant, priority=priority, request_id=request_id)
@@ -142,17 +145,17 @@ class Client(ClientCore):
         data = encode_prompt(prompt) if prompt is not None else b""
         request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
 
-        def attempt(timeout: float | None) -> dict[str, Any]:
+        def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> dict[str, Any]:
             try:
-                return tags_dict((self._stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
+                return tags_dict((stub.Tag(request, timeout=timeout, metadata=self._metadata())).tags)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
         return self._with_retries(attempt)[0]
 
     def _unary(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> GenerateResult:
-        def attempt(timeout: float | None) -> GenerateResult:
+        def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> GenerateResult:
             try:
-                response = self._stub.Generate(request, timeout=timeout, metadata=self._metadata())
+                response = stub.Generate(request, timeout=timeout, metadata=self._metadata())
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
             return result_from_response(response, sent, request_id)   # each attempt's receipt is checked
@@ -160,14 +163,16 @@ class Client(ClientCore):
         result.attempts = attempts
         return result
 
-    def _with_retries(self, attempt: Callable[[float | None], T]) -> tuple[T, int]:
+    def _with_retries(self, attempt: Callable[[float | None, Any], T]) -> tuple[T, int]:
         """Run `attempt(timeout)` until it returns or the policy gives up. A blocking unary call has ended
         (answered or failed) when it returns, so attempts never overlap."""
         run = self.retrier.begin(self.timeout)
+        stub_for = self._stub_picker()   # a retry goes to the next admission, when there are several
         sleep = self.retrier.sleep if self.retrier.sleep is not None else time.sleep
         while True:
             try:
-                return attempt(run.attempt_timeout()), run.attempts
+                timeout = run.attempt_timeout()
+                return attempt(timeout, stub_for(run.attempts)), run.attempts
             except TetherError as error:
                 delay = run.after_failure(error)
                 if delay is None:
@@ -179,7 +184,8 @@ class Client(ClientCore):
                       self.retrier.sleep)
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -111,15 +111,22 @@ class StreamAssembler:
     sees the end of an answer whose receipt failed.
     """
 
-    def __init__(self, prompt: Sent, request_id: str) -> None:
+    def __init__(self, prompt: Sent, request_id: str, after: "StreamAssembler | None" = None) -> None:
+        """`after`: the assembler of an attempt that broke; this one carries on after its tokens (a resumed
+        call's chunks start at their count, and its receipt covers them all)."""
         self._prompt = prompt
         self._request_id = request_id
-        self._text: list[str] = []
-        self._token_ids: list[int] = []
-        self.tags: dict[str, Any] = {}
-        self.seed = 0
-        self.internal_id = ""          # from the first chunk: the id admission minted for this request
+        self._text: list[str] = list(after._text) if after else []
+        self._token_ids: list[int] = list(after._token_ids) if after else []
+        self.tags: dict[str, Any] = dict(after.tags) if after else {}
+        self.seed = after.seed if after else 0
+        self.internal_id = after.internal_id if after else ""   # from the first chunk: the id admission minted
         self.result: GenerateResult | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens handed out so far (a copy)."""
+        return list(self._token_ids)
 
     def add(self, chunk: admission_pb2.GenerateChunk) -> Delta:
         if self.result is not None:

@@ -8,6 +8,8 @@ import grpc
 import pytest
 
 from tether import reference
+from tether.cli.cluster import Service, free_port, wait_serving
+from tether.client import Client
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 CASES = [   # prompt, sampling: greedy and seeded, English and Chinese, one with a stop sequence
@@ -60,3 +62,47 @@ def test_resume_tokens_are_checked_like_a_prompt(cluster):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Submit(submit, timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+
+
+@pytest.fixture
+def two_admissions(cluster, tmp_path):
+    """Two more admission replicas in front of the cluster's pipeline (real processes, the same command)."""
+    base = cluster.service("admission")
+    replicas = []
+    for k in range(2):
+        port = free_port()
+        argv = list(base.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        svc = Service(f"admission-r{k}", argv, f"127.0.0.1:{port}")
+        cluster.spawn(svc)
+        replicas.append(svc)
+    try:
+        for svc in replicas:
+            with grpc.insecure_channel(svc.address) as ch:
+                assert wait_serving(ch, 60), svc.log_tail()
+        yield replicas
+    finally:
+        for svc in replicas:
+            if svc.proc.poll() is None:
+                svc.proc.kill()
+            svc.proc.wait(10)
+
+
+@pytest.mark.parametrize("sampling", [dict(max_tokens=48, ignore_eos=True),
+                                      dict(max_tokens=48, temperature=0.8, top_p=0.9, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_the_sdk_resumes_a_stream_whose_admission_was_killed_on_another_exactly(two_admissions, sampling):
+    first, other = two_admissions
+    prompt = "从前有一座山，山上有"
+    with Client(targets=[first.address, other.address], timeout=60) as client:
+        stream = client.stream(prompt, **sampling)
+        deltas = []
+        for delta in stream:
+            deltas.append(delta)
+            if len(deltas) == 1:
+                first.proc.kill()       # mid-stream: the iterator must finish on the other admission
+    ref = reference.generate(prompt, **{**sampling, "seed": stream.seed})
+    assert first.proc.wait(10) == -9 and stream.attempts == 2
+    assert [d.index for d in deltas] == list(range(len(ref.token_ids)))      # none repeated, none missing
+    assert stream.result.token_ids == ref.token_ids and stream.result.text == ref.text
+    assert stream.result.receipt.context_hash == ref.receipt.context_hash

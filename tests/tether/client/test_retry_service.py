@@ -19,7 +19,6 @@ from tether.cli import chat, generate
 from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
                            RetryBudget, RetryPolicy, Unavailable)
 from tether.client.errors import STATUS_DETAILS_KEY
-from tether.client.retry import STREAM_STARTED
 from tether.protocol.hashing import prompt_digest
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
@@ -35,6 +34,7 @@ def refuse(code: grpc.StatusCode = C.RESOURCE_EXHAUSTED, retry_after: float | No
 class Call:
     prompt: bytes
     request_id: str
+    resume: list          # the resume_tokens it carried
     started: int                  # ticks of the server's event counter: the order calls began and ended
     ended: int = -1
 
@@ -56,7 +56,7 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
         return self.ticks
 
     def _next(self, request: admission_pb2.GenerateRequest) -> tuple[tuple, Call]:
-        call = Call(request.prompt, request.request_id, self._tick())
+        call = Call(request.prompt, request.request_id, list(request.resume_tokens), self._tick())
         self.calls.append(call)
         return self.script[min(len(self.calls), len(self.script)) - 1], call
 
@@ -111,7 +111,10 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
             if outcome[0] == "refuse":
                 await self._refuse(context, *outcome[1:])
             n, fail = (outcome[1], outcome[2]) if outcome[0] == "tokens_then" else (3, None)
-            for i in range(n):
+            start = len(request.resume_tokens)    # a resumed call goes on after them, as admission does
+            if fail is not None:
+                n += start
+            for i in range(start, n):
                 chunk = admission_pb2.GenerateChunk(index=i, token_id=10 + i, text=f"t{i}")
                 if fail is None and i == n - 1:
                     chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
@@ -298,22 +301,44 @@ def test_a_stream_refused_before_its_first_token_is_retried(admission):
     assert t.sleeps == [2.0] and server.servicer.sequential()   # the label was free again: no ALREADY_EXISTS
 
 
-def test_a_stream_that_fails_after_a_token_was_shown_is_not_retried(admission):
+def test_a_stream_that_breaks_after_a_token_was_shown_resumes_where_it_stopped(admission):
     server = admission(("tokens_then", 1, C.UNAVAILABLE), ANSWER)
     t = FakeTime()
     with Client(server.target, retry=t.retrier()) as client:
+        stream = client.stream("hello", temperature=0.5)
+        seen = [delta.text for delta in stream]
+    assert seen == ["t0", "t1", "t2"] and stream.attempts == 2 and len(t.sleeps) == 1
+    first, second = server.servicer.calls
+    assert first.resume == [] and second.resume == [10]          # what the caller already had, not again
+    assert stream.result.token_ids == [10, 11, 12] and stream.result.receipt.output_tokens == 3
+    assert server.servicer.sequential()
+
+
+def test_a_broken_stream_resumes_within_the_retry_budget_only(admission):
+    server = admission(("tokens_then", 1, C.UNAVAILABLE))     # breaks after one more token, every time
+    t = FakeTime()
+    with Client(server.target, retry=t.retrier(RetryPolicy(max_attempts=3))) as client:
         seen = []
         with pytest.raises(Unavailable) as info:
             for delta in client.stream("hello"):
                 seen.append(delta.text)
-    assert seen == ["t0"] and len(server.servicer.calls) == 1 and t.sleeps == []
-    assert info.value.attempts == 1 and info.value.gave_up == STREAM_STARTED
+    assert seen == ["t0", "t1", "t2"] and info.value.attempts == 3 and "max_attempts=3" in info.value.gave_up
+    assert [c.resume for c in server.servicer.calls] == [[], [10], [10, 11]]
+
+
+def test_a_broken_stream_resumes_on_the_next_admission(admission):
+    a, b = admission(("tokens_then", 2, C.UNAVAILABLE)), admission(ANSWER)
+    t = FakeTime()
+    with Client(targets=[a.target, b.target], retry=t.retrier()) as client:
+        stream = client.stream("hello")
+        assert [d.text for d in stream] == ["t0", "t1", "t2"]
+    assert len(a.servicer.calls) == 1 and [c.resume for c in b.servicer.calls] == [[10, 11]]
 
 
 def test_tag_is_retried_too(admission):
     class Tagging(FakeAdmission):
         async def Tag(self, request, context):
-            self.calls.append(Call(request.prompt, "", self._tick(), self._tick()))
+            self.calls.append(Call(request.prompt, "", [], self._tick(), self._tick()))
             if len(self.calls) == 1:
                 await self._refuse(context, C.RESOURCE_EXHAUSTED, 1.0)
             return admission_pb2.TagResponse(tags=common_pb2.IntentTags(language="en"))
@@ -363,7 +388,7 @@ def test_async_invalid_argument_is_never_retried(admission):
     assert len(server.servicer.calls) == 1 and t.sleeps == []
 
 
-def test_async_streams_retry_only_before_the_first_token(admission):
+def test_async_streams_retry_before_and_resume_after_the_first_token(admission):
     server = admission(refuse(C.UNAVAILABLE, retry_after=0.5), ANSWER)
     t = AsyncFakeTime()
 
@@ -371,17 +396,15 @@ def test_async_streams_retry_only_before_the_first_token(admission):
         async with AsyncClient(server.target, timeout=30, retry=t.retrier()) as client:
             stream = client.stream("hello")
             texts = [d.text async for d in stream]
-            server.servicer.script[:] = [("tokens_then", 2, C.ABORTED)]
+            server.servicer.script[:] = [("tokens_then", 2, C.ABORTED), ANSWER]
+            server.servicer.calls.clear()
             late = client.stream("hello")
-            seen = []
-            with pytest.raises(Exception) as info:
-                async for d in late:
-                    seen.append(d.text)
-        return stream, texts, seen, info.value
-    stream, texts, seen, error = asyncio.run(run())
+            seen = [d.text async for d in late]
+        return stream, texts, late, seen
+    stream, texts, late, seen = asyncio.run(run())
     assert texts == ["t0", "t1", "t2"] and stream.attempts == 2 and stream.result.attempts == 2
-    assert seen == ["t0", "t1"] and error.code == C.ABORTED and error.gave_up == STREAM_STARTED
-    assert len(server.servicer.calls) == 3 and t.sleeps == [0.5] and server.servicer.sequential()
+    assert seen == ["t0", "t1", "t2"] and late.attempts == 2 and late.result.token_ids == [10, 11, 12]
+    assert [c.resume for c in server.servicer.calls] == [[], [10, 11]] and server.servicer.sequential()
 
 
 # ---- the CLI: `--retries N` on `tether generate` and `tether chat` --------------------------------------------
@@ -421,12 +444,12 @@ def test_generate_retries_a_refusal_and_zero_retries_does_not(admission, capsys)
     assert "attempt" not in str(info.value) and len(server.servicer.calls) == 1
 
 
-def test_chat_reports_a_reply_that_failed_after_its_first_token(admission):
+def test_chat_reports_a_reply_that_kept_failing_after_its_first_token(admission):
     server = admission(("tokens_then", 1, C.UNAVAILABLE))
     err = io.StringIO()
     with Client(server.target, retry=generate.retry_policy(2)) as client:
         chat.repl(client, chat.Conversation(), {}, io.StringIO("hi\n"), io.StringIO(), err, interactive=False)
-    assert STREAM_STARTED in err.getvalue() and len(server.servicer.calls) == 1
+    assert "gave up after 3 attempts" in err.getvalue() and len(server.servicer.calls) == 3
 
 
 # ---- cancelling a stream while it waits to retry ---------------------------------------------------------------
