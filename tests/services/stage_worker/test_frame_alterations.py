@@ -35,7 +35,7 @@ SAMPLED = reference.sampling_params(max_tokens=8, temperature=0.9, seed=4, ignor
 HELD = {"p": [5, 9, 14, 3, 22], "q": [40, 41, 42]}
 NEXT = {"p": [31], "q": [17, 18]}          # what the frame feeds them
 NEW = [60, 61, 62, 63]                     # a new request's prompt
-PROPS = settings(max_examples=200, deadline=None, database=None,
+PROPS = settings(max_examples=150, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
