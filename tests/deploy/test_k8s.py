@@ -715,6 +715,9 @@ def test_cert_manager_certificates_carry_the_identities_and_the_names_peers_dial
         assert {"server auth", "client auth"} <= set(spec["usages"]), f"{name} serves and calls"
         assert spec["issuerRef"] == {"name": ca_issuer["metadata"]["name"], "kind": "Issuer"}
         assert dialled[name] <= set(spec["dnsNames"]), f"{name}: peers dial {dialled[name]}"
+        # the name every channel between services verifies this identity under, and no other certificate's
+        servers = {d for d in spec["dnsNames"] if d.endswith(".id.tether.local")}
+        assert servers == {of_service(name).server_name}, f"{name} must carry its server name, only its own"
         assert "127.0.0.1" in spec["ipAddresses"], "the probes dial the pod's loopback"
         assert spec["privateKey"]["algorithm"] == "ECDSA"
 
