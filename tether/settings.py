@@ -8,6 +8,10 @@ PROTOCOL_VERSION = 2
 
 # Ports of the local cluster (`tether up`); stage i listens on STAGE_BASE_PORT + i.
 ADMISSION_PORT = 50051
+HTTP_PORT = 8000               # admission's OpenAI-compatible HTTP API (vLLM's default port)
+HTTP_SSE_PING_S = 15.0         # an SSE comment line this often keeps idle proxies from closing a slow stream
+HTTP_MAX_CONNECTIONS = 1024    # open HTTP connections + requests beyond which uvicorn answers 503 at once
+HTTP_KEEPALIVE_S = 30.0        # an idle keep-alive HTTP connection is closed after this
 COORDINATOR_PORT = 50061
 STAGE_BASE_PORT = 50071
 

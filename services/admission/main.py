@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
                    help="gRPC port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=settings.HTTP_PORT,
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+                        "/health), on --host, with the same TLS as the gRPC port; 0 picks a free one "
+                        "(default: %(default)s)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only, no HTTP API")
     p.add_argument("--coordinator", metavar="HOST:PORT[=ROLES],...", default=f"127.0.0.1:{settings.COORDINATOR_PORT}",
                    type=_coordinators, help="the pipelines to route to: each coordinator's address, optionally with the size classes "
                         "it is for, e.g. 'h1:50061=long,h2:50061=short+medium' (a pipeline without roles takes "
@@ -84,6 +89,19 @@ def load_model_limits(model: str) -> tuple[Path, ModelLimits, str]:
     return folder, model_limits(folder), fingerprint
 
 
+def http_face(door: FrontDoor, args: argparse.Namespace) -> "HttpFace":
+    """The OpenAI-compatible HTTP server of `door`, bound to --host:--http-port, TLS as the gRPC port's."""
+    from services.admission.openai_api.app import build_app   # FastAPI is imported only when HTTP is served
+    from services.admission.openai_api.serve import HttpFace
+    tls_files = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls is not None else None
+    try:
+        return HttpFace(build_app(door), args.host, args.http_port, tls_files,
+                        require_client_auth=args.tls is not None and args.tls.require_client_auth)
+    except OSError as e:
+        raise OSError(f"--http-port {args.http_port}: cannot listen on {args.host}:{args.http_port}: "
+                      f"{e.strerror or e}") from e
+
+
 async def serve(args: argparse.Namespace) -> None:
     folder, limits, fingerprint = load_model_limits(args.model)
     work = FrontWork(folder, limits, args.tag_workers)
@@ -113,9 +131,12 @@ async def serve(args: argparse.Namespace) -> None:
         door.metrics = metrics.AdmissionMetrics(registry, lambda: door.limit.active, args.max_concurrent,
                                                 lambda: door.ready)
     admission_pb2_grpc.add_AdmissionServicer_to_server(AdmissionServicer(door), server.server)
+    http = None if args.no_http else http_face(door, args)   # binds now: a port in use fails before serving
     # NOT_SERVING until the readiness loop has seen a pipeline serve our model.
     await server.set_serving(False)
     await server.start()
+    if http is not None:
+        await http.start()
     async def not_ready(error: BaseException) -> None:
         door.set_ready(False, f"readiness check failed: {error!r}")
         await server.set_serving(False)
@@ -126,9 +147,13 @@ async def serve(args: argparse.Namespace) -> None:
         service_main.serve_metrics("admission", registry, args.metrics_host, args.metrics_port)
     logs.announce(log, f"admission listening on {args.host}:{server.port} (pipelines {', '.join(pipelines.links)}, "
                        f"model {args.model} {fingerprint})")
+    if http is not None:
+        logs.announce(log, f"admission OpenAI-compatible API at {http.base_url}")
     try:
         await server.wait_for_signal()
     finally:
+        if http is not None:
+            await http.stop()
         readiness.cancel()
         work.close()
         await pipelines.close()

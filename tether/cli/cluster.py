@@ -83,6 +83,15 @@ class Service:
     log_path: Path | None = None
     metrics_address: str | None = None   # HOST:PORT of its /metrics, when metrics are on
     came_up: bool = False                # it has listened on its port (since its first spawn): a healthy child
+    http_address: str | None = None      # admission's HOST:PORT of the OpenAI-compatible HTTP API, when served
+    http_tls: bool = False
+
+    @property
+    def base_url(self) -> str | None:
+        """The OpenAI base URL of admission's HTTP API (what `openai.OpenAI(base_url=...)` takes)."""
+        if self.http_address is None:
+            return None
+        return f"{'https' if self.http_tls else 'http'}://{self.http_address}/v1"
 
     @property
     def metrics_url(self) -> str | None:
@@ -113,12 +122,14 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
                      coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
                      threads: int = 0, extra: dict[str, list[str]] | None = None,
                      metrics_ports: dict[str, int] | None = None, pipelines: int = 1,
-                     coordinator_ports: list[int] | None = None, tls_dir: Path | None = None) -> list[Service]:
+                     coordinator_ports: list[int] | None = None, tls_dir: Path | None = None,
+                     http_port: int | None = settings.HTTP_PORT) -> list[Service]:
     """The commands of a cluster, in start order (each pipeline's stages and coordinator, then admission).
     Pipeline k's stage i listens on stage_ports[k * stages + i] and its coordinator on coordinator_port + k
     (or coordinator_ports[k]). `metrics_ports` (service name -> port, e.g. default_metrics_ports()) turns on
     every service's /metrics; None leaves them off. `tls_dir` (a `tether certs init` folder) gives every service
-    its certificate: stage i of any pipeline stage-i's, the coordinators coordinator's, admission admission's."""
+    its certificate: stage i of any pipeline stage-i's, the coordinators coordinator's, admission admission's.
+    `http_port`: admission's OpenAI-compatible HTTP port; None serves gRPC only."""
     stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages * pipelines)]
     coordinator_ports = coordinator_ports or [coordinator_port + k for k in range(pipelines)]
     extra = extra or {}
@@ -151,7 +162,13 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
             coordinator_ports[k], "coordinator", "coordinator")
     coordinators = ",".join(f"{host}:{p}" for p in coordinator_ports)
     add("admission", py + ["services.admission", "--host", host, "--port", str(admission_port), "--model", model,
-                           "--coordinator", coordinators], admission_port, "admission", "admission")
+                           "--coordinator", coordinators]
+        # admission's own default (settings.HTTP_PORT) is not repeated: the deploy files' commands match these
+        + (["--no-http"] if http_port is None else [] if http_port == settings.HTTP_PORT else
+           ["--http-port", str(http_port)]),
+        admission_port, "admission", "admission")
+    if http_port is not None:
+        services[-1].http_address, services[-1].http_tls = f"{host}:{http_port}", tls_dir is not None
     return services
 
 
@@ -171,11 +188,18 @@ class LocalCluster:
     extra: dict[str, list[str]] = field(default_factory=dict)
     tls: bool = False                # mutual TLS between services, certificates from tls_dir
     tls_dir: Path | None = None      # a `tether certs init` folder; None with tls: one is made (log_dir/tls or a temp dir)
+    http: bool = True                # admission serves the OpenAI-compatible HTTP API (on a free port when the
+    http_port: int = settings.HTTP_PORT   # gRPC ports are free ones, else on http_port)
     services: list[Service] = field(default_factory=list)
 
     @property
     def target(self) -> str:
         return self.services[-1].address
+
+    @property
+    def base_url(self) -> str | None:
+        """admission's OpenAI base URL (http://HOST:PORT/v1), None without the HTTP API."""
+        return self.services[-1].base_url
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -199,7 +223,7 @@ class LocalCluster:
         even_split(num_layers, self.stages)     # fail early with a clear message
         free = self.admission_port == 0
         n, stages = self.pipelines, self.stages
-        ports = [free_port(self.host) for _ in range(1 + n + n * stages)] if free else None
+        ports = [free_port(self.host) for _ in range(2 + n + n * stages)] if free else None
         metrics_ports = None
         if self.metrics:
             metrics_ports = default_metrics_ports(stages, n)
@@ -209,9 +233,10 @@ class LocalCluster:
             self.model, stages, self.host,
             admission_port=ports[0] if free else self.admission_port,
             coordinator_port=self.coordinator_port, coordinator_ports=ports[1:1 + n] if free else None,
-            stage_ports=ports[1 + n:] if free else [self.stage_port + i for i in range(n * stages)],
+            stage_ports=ports[1 + n:-1] if free else [self.stage_port + i for i in range(n * stages)],
             threads=self.threads, extra=self.extra, metrics_ports=metrics_ports, pipelines=n,
-            tls_dir=self.tls_dir if self.tls else None)
+            tls_dir=self.tls_dir if self.tls else None,
+            http_port=None if not self.http else ports[-1] if free else self.http_port)
         for svc in self.services:
             self.spawn(svc)
         return self

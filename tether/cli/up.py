@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "which routes every request to one of them (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
                    help="admission (public) port (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=settings.HTTP_PORT,
+                   help="admission's OpenAI-compatible HTTP API port (base URL http://HOST:PORT/v1) "
+                        "(default: %(default)s)")
+    p.add_argument("--no-http", action="store_true", help="serve admission's gRPC port only, no HTTP API")
     p.add_argument("--coordinator-port", type=int, default=settings.COORDINATOR_PORT,
                    help="coordinator port; pipeline k's coordinator listens on this + k (default: %(default)s)")
     p.add_argument("--stage-port", type=int, default=settings.STAGE_BASE_PORT,
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                            admission_port=args.port,
                            coordinator_port=args.coordinator_port, stage_port=args.stage_port, threads=threads,
                            log_dir=args.log_dir, metrics=args.metrics, extra=service_extra(args),
-                           tls=args.tls or args.tls_dir is not None, tls_dir=args.tls_dir)
+                           tls=args.tls or args.tls_dir is not None, tls_dir=args.tls_dir,
+                           http=not args.no_http, http_port=args.http_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -188,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {svc.name:<15} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
+        if cluster.base_url:
+            print(f"OpenAI-compatible API: base URL {cluster.base_url} (model {args.model!r}), e.g. "
+                  f"`curl {cluster.base_url}/chat/completions -H 'content-type: application/json' "
+                  f"-d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'`",
+                  flush=True)
         if cluster.tls:
             print(f"TLS: certificates in {cluster.tls_dir}; clients verify the server with its CA "
                   f"(`tether generate --tls-ca {cluster.tls_dir / 'ca.pem'} ...`); operator.pem/.key may call Stats "

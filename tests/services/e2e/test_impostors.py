@@ -116,7 +116,7 @@ def test_an_impostor_stage_0_never_receives_a_handshake(pki, tmp_path, cert):
 @pytest.mark.parametrize("cert", ["client", "stage-0"])
 def test_an_impostor_coordinator_never_receives_a_call_from_admission(pki, tmp_path, cert):
     server, recorder, address = impostor(pki, cert)
-    cluster, admission = spawn(pki, tmp_path, "admission", "services.admission", ["--coordinator", address],
+    cluster, admission = spawn(pki, tmp_path, "admission", "services.admission", ["--coordinator", address, "--no-http"],
                                "admission")
     try:
         wait_for(lambda: recorder.calls or refusals(admission, "spiffe://tether.local/coordinator") >= 1, 90,

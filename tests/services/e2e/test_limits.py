@@ -117,7 +117,7 @@ def test_admission_for_another_model_never_forwards(short_lived, tmp_path):
     port = free_port()
     log = open(tmp_path / "admission-small.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.admission", "--port", str(port), "--model", "small",
-                             "--coordinator", short_lived.service("coordinator").address],
+                             "--coordinator", short_lived.service("coordinator").address, "--no-http"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         def refusal():

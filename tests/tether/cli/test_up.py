@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from tether.cli.cluster import free_port
 from tests.helpers import alive
@@ -18,7 +19,8 @@ TETHER = [sys.executable, "-m", "tether.cli.main"]
 def test_up_generate_and_clean_stop():
     ports = [free_port() for _ in range(4)]
     up = subprocess.Popen(TETHER + ["up", "--model", "tiny", "--port", str(ports[0]), "--coordinator-port", str(ports[1]),
-                                    "--stage-port", str(ports[2]), "--stages", "2", "--threads", "1"],
+                                    "--stage-port", str(ports[2]), "--stages", "2", "--threads", "1",
+                                    "--http-port", str(ports[3])],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids, lines = [], []
     try:
@@ -30,6 +32,10 @@ def test_up_generate_and_clean_stop():
             if "tether is up" in line or time.monotonic() > deadline:
                 break
         assert len(pids) == 4, "".join(lines)
+        base_url = f"http://127.0.0.1:{ports[3]}/v1"
+        assert f"OpenAI-compatible API: base URL {base_url}" in up.stdout.readline()   # printed, and served:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
         target = f"127.0.0.1:{ports[0]}"
         out = subprocess.run(TETHER + ["generate", "--target", target, "--max-tokens", "5", "--json", "你好"],
                              capture_output=True, text=True, timeout=60)

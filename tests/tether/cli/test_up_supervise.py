@@ -67,7 +67,7 @@ class Launcher:
         self.proc = subprocess.Popen(
             TETHER + ["up", "--model", "tiny", "--stages", "2", "--threads", "1", "--port", str(self.admission),
                       "--coordinator-port", str(coordinator), "--stage-port", str(stage),
-                      "--log-dir", str(log_dir), *flags],
+                      "--log-dir", str(log_dir), "--no-http", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.pids: dict[str, list[int]] = {}   # every pid each service has had, in order
