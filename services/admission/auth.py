@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.admission.tagger import PRIORITIES
 from tether import settings
+from tether.priority import PRIORITIES, Priority
 
 AUTH_FIELDS = frozenset({"api_keys_sha256", "priorities"})   # keys of a [tenants.NAME] table read here
-DEFAULT_PRIORITIES = ("standard", "sheddable")   # critical jumps every queue: only for tenants that list it
+DEFAULT_PRIORITIES = (Priority.STANDARD, Priority.SHEDDABLE)   # critical jumps every queue: only for tenants that list it
 BEARER = "bearer"
 MAX_KEY_CHARS = 512                       # a key is ~46 characters; anything far longer is not one of ours
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -45,7 +45,7 @@ class Principal:
     """An authenticated caller: the tenant its key belongs to and the priorities that tenant may use."""
 
     tenant: str
-    priorities: tuple[str, ...]
+    priorities: tuple[Priority, ...]
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def _digests(value: object, where: str) -> list[str]:
     return out
 
 
-def _priorities(value: object, where: str) -> tuple[str, ...]:
+def _priorities(value: object, where: str) -> tuple[Priority, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(p, str) for p in value):
         raise ValueError(f"{where}: priorities must be a non-empty list of {', '.join(PRIORITIES)}")
     bad = [p for p in value if p not in PRIORITIES]

@@ -32,9 +32,10 @@ from services.admission.pipelines import Pipelines, Routed, Refused, routing_key
 from services.admission.routing import RouteRequest
 from services.admission.session import SessionBroken
 from services.admission.status import FINISH_REASONS, STATUS_CODES, Rejected
-from services.admission.tagger import Tags, normalize_priority
+from services.admission.tagger import Tags
 from services.admission.validate import ModelLimits
 from tether import settings
+from tether.priority import parse as parse_priority
 from tether.protocol.hashing import messages_digest, prompt_digest
 from tether.telemetry import logs
 from tether.telemetry.metrics import AdmissionMetrics
@@ -157,7 +158,7 @@ class FrontDoor:
         """Run the request as the key's tenant (an empty body tenant becomes it), or PERMISSION_DENIED for
         another tenant or a priority the tenant may not use."""
         try:
-            priority = normalize_priority(request.priority)
+            priority: str = parse_priority(request.priority)
         except ValueError:
             priority = request.priority   # not a priority at all: validation refuses it with INVALID_ARGUMENT
         got = authorize(principal, request.tenant, priority)

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.admission.auth import AUTH_FIELDS
+from tether.priority import Priority
 
 # Share of the global concurrency cap each priority may fill: what is above a priority's share is kept for
 # the priorities above it.
-PRIORITY_SHARE = {"critical": 1.0, "standard": 0.9, "sheddable": 0.7}
+PRIORITY_SHARE = {Priority.CRITICAL: 1.0, Priority.STANDARD: 0.9, Priority.SHEDDABLE: 0.7}
 MAX_TENANTS = 10000     # buckets kept at most: a client minting tenant names cannot grow memory without bound
 
 
@@ -179,10 +180,10 @@ def _limit(section: dict, where: str, skip: frozenset[str] = frozenset()) -> Ten
     return TenantLimit(**values)
 
 
-def shed_by_priority(priority: str, others: int, cap: int) -> Refusal | None:
+def shed_by_priority(priority: Priority, others: int, cap: int) -> Refusal | None:
     """Refuse a request whose priority may not take another of the cap's slots now: `others` requests are in
     flight besides it. Each priority may fill its share of the cap (rounded, at least one slot)."""
-    share = PRIORITY_SHARE.get(priority, PRIORITY_SHARE["standard"])
+    share = PRIORITY_SHARE.get(priority, PRIORITY_SHARE[Priority.STANDARD])
     if others < max(1, round(cap * share)):
         return None
     return Refusal(f"admission has {others} of its {cap} concurrent requests in flight; {priority} requests are "

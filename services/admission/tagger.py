@@ -68,6 +68,8 @@ from functools import lru_cache
 
 # Word lists and number tables: data only, in lexicons.py.
 from services.admission import lexicons as lex
+from tether.priority import Priority
+from tether.priority import parse as parse_priority
 
 __all__ = [
     "Tags",
@@ -75,7 +77,6 @@ __all__ = [
     "tag_conversation",
     "BUDGET_RULES",
     "MAX_LENGTH_LIMIT",
-    "PRIORITIES",
     "detect_language",
     "chinese_numeral_to_int",
     "english_numeral_to_int",
@@ -93,7 +94,6 @@ __all__ = [
     "detect_task",
     "detect_domain",
     "detect_audience",
-    "normalize_priority",
 ]
 
 
@@ -108,7 +108,7 @@ class Tags:
     size_class: str  # "short" | "medium" | "long"
     domain: str  # "general" | "medical" | "legal" | "finance"
     audience: str  # "general" | "elderly" | "child" | "expert"
-    priority: str  # "critical" | "standard" | "sheddable"
+    priority: Priority
     tenant: str
     turns: int  # conversation turns detected (1 for a single prompt)
     prefix_key: int  # 64-bit hash of the shared system prompt (0 when none)
@@ -130,9 +130,6 @@ BUDGET_RULES: dict[str, tuple[float, int]] = {
 MAX_LENGTH_LIMIT = 1_000_000
 # implied_budget never returns more than this (the largest int64 a proto field holds).
 _MAX_BUDGET = 2**63 - 1
-
-PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
-DEFAULT_PRIORITY = "standard"
 
 # size_class thresholds on output_budget (inclusive upper bounds).
 SHORT_MAX_TOKENS = 64
@@ -733,7 +730,7 @@ def compute_prefix_key(system_text: str) -> int:
 
 
 # --------------------------------------------------------------------------
-# Task, domain, audience, priority
+# Task, domain, audience
 # --------------------------------------------------------------------------
 
 
@@ -843,33 +840,23 @@ def detect_audience(text: str) -> str:
     return best_label or "general"
 
 
-def normalize_priority(priority: str) -> str:
-    """Validate the caller's priority; "" means "standard"."""
-    value = priority.strip().lower()
-    if not value:
-        return DEFAULT_PRIORITY
-    if value not in PRIORITIES:
-        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
-    return value
-
-
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------
 
 
-def _check_sizes(input_tokens: int, max_tokens: int, tokens_per_char: float, priority: str) -> str:
+def _check_sizes(input_tokens: int, max_tokens: int, tokens_per_char: float, priority: str) -> Priority:
     if input_tokens < 0:
         raise ValueError(f"input_tokens must be >= 0; got {input_tokens}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1; got {max_tokens}")
     if not (tokens_per_char > 0 and math.isfinite(tokens_per_char)):
         raise ValueError(f"tokens_per_char must be finite and > 0; got {tokens_per_char}")
-    return normalize_priority(priority)
+    return parse_priority(priority)
 
 
 def _tags(content: str, budget_text: str, turns: int, system_text: str, input_tokens: int, max_tokens: int,
-          tenant: str, priority: str, tokens_per_char: float) -> Tags:
+          tenant: str, priority: Priority, tokens_per_char: float) -> Tags:
     """Tags from the content to classify, the text whose length constraint caps this answer, and the structure."""
     limit, unit = parse_length_constraint(budget_text, tokens_per_char)
     budget = compute_output_budget(max_tokens, limit, unit, tokens_per_char)

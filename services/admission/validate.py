@@ -12,9 +12,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.admission.tagger import normalize_priority
 from tether import settings
 from tether.model.chat_template import ChatTemplate, ChatTokenizer, ConversationError, tokenize_conversation
+from tether.priority import Priority
+from tether.priority import parse as parse_priority
 from tether.v1 import admission_pb2, common_pb2
 
 _TENANT = re.compile(r"[A-Za-z0-9_.-]*")
@@ -45,7 +46,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: common_pb2.SamplingParams      # a normalized copy: max_tokens and (when sampling) seed filled in
     tenant: str
-    priority: str                            # critical | standard | sheddable
+    priority: Priority
     request_id: str                          # the caller's label ("" when none): never a key downstream
     messages: tuple[tuple[str, str], ...] = ()   # the decoded conversation, () for a raw prompt
     resume_token_ids: tuple[int, ...] = ()   # output already produced by an earlier attempt (a resume)
@@ -148,7 +149,7 @@ def _check_tenant(tenant: str) -> str:
 
 def _check_priority(priority: str) -> str:
     try:
-        return normalize_priority(priority)
+        return parse_priority(priority)
     except ValueError as e:
         raise ValidationError(str(e)) from None
 

@@ -20,10 +20,9 @@ from tether.kv.blocks import extend_by_blocks
 from tether.generation.sequence import Sequence
 from tether import settings
 from tether.mathutil import ceil_div
+from tether.priority import Priority
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.v1 import stage_pb2
-
-PRIORITY_ORDER = {"critical": 0, "standard": 1, "sheddable": 2}
 
 
 class Phase(Enum):
@@ -60,7 +59,7 @@ class PhaseError(AssertionError):
 class Request:
     seq: Sequence
     tenant: str = ""
-    priority: str = "standard"
+    priority: Priority = Priority.STANDARD
     epoch: int = 1
     fed: int = 0                       # context tokens the stages hold, confirmed by an echoed stamp
     fed_hash: ContextHasher = None     # type: ignore[assignment]  # chain over those tokens
@@ -159,10 +158,6 @@ class Request:
         self.block_ends: list[int] = []   # the confirmed chain's value at each full block's end (the ledger's keys)
 
     @property
-    def resumed(self) -> bool:
-        return self.resumes > 0
-
-    @property
     def recoveries(self) -> int:
         """Rebuilds and resumes so far: both count against the request's recovery budget."""
         return self.retries + self.resumes
@@ -250,14 +245,14 @@ class EngineFigures:
 def rank(req: Request) -> tuple[int, bool, int]:
     """Preemption order: the lowest priority goes first; within it, a request that did not reserve its KV
     before one that did (a long generation recomputed late wastes the most), then the youngest."""
-    return PRIORITY_ORDER.get(req.priority, 1), not req.reserves, req.arrival
+    return req.priority.rank, not req.reserves, req.arrival
 
 
 def start_class(req: Request, step: int, aging_steps: int = settings.PRIORITY_AGING_STEPS) -> int:
     """Start order among waiting requests: critical (0) before standard (1) before sheddable (2), each class
     one better for every `aging_steps` steps waited, so that a steady stream of higher priorities never starves
     a lower one."""
-    return max(0, PRIORITY_ORDER.get(req.priority, 1) - (step - req.queued_at) // aging_steps)
+    return max(0, req.priority.rank - (step - req.queued_at) // aging_steps)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from services.coordinator.scheduler import Request
 from tether.generation.sequence import Sequence, TokenOut
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import Tokenizer
-from tether import settings
+from tether import priority, settings
 from tether.protocol.hashing import hash_seed
 from tether.telemetry import logs, tracing
 from tether.telemetry.metrics import CoordinatorMetrics
@@ -158,7 +158,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         seq = Sequence(request.request_id, list(request.prompt_token_ids), request.sampling, self.tokenizer,
                        hash_seed(self.fingerprint, request.tenant), self.cfg.max_position_embeddings)
         seq.resume(list(request.resume_tokens))
-        return Request(seq, tenant=request.tenant, priority=request.priority or "standard")
+        return Request(seq, tenant=request.tenant, priority=priority.from_peer(request.priority))
 
     async def Session(self, request_iterator, context):
         await _Session(self, context).run(request_iterator)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from tether import settings
+from tether.priority import PRIORITIES
 
 DEFAULT_TARGET = f"127.0.0.1:{settings.ADMISSION_PORT}"
 DEFAULT_RETRIES = 2    # the SDK's default policy: 3 attempts in all
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     p.add_argument("--tenant", default="", help="tenant (cache namespace); with an API key leave it out: the key's "
                                                 "tenant is used, and naming another is refused")
-    p.add_argument("--priority", default="", choices=["", "critical", "standard", "sheddable"],
+    p.add_argument("--priority", default="", choices=["", *PRIORITIES],
                    help="priority class (default: standard); an API key's tenant may be limited to some")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole result (text, tokens, receipt, tags) as JSON")

@@ -13,10 +13,10 @@ import secrets
 import sys
 
 from tether import settings
+from tether.priority import PRIORITIES
 
 KEY_PREFIX = "tk_"      # recognisable in a leaked file or a secret scanner's rules
 KEY_BYTES = 32          # 256 random bits: no guessing, no brute force of its hash
-PRIORITIES = ("critical", "standard", "sheddable")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")   # a TOML bare key; a dotted tenant name must be quoted
 
 

@@ -24,12 +24,12 @@ from services.admission.tagger import (
     extract_system_prompt,
     find_length_constraints,
     implied_budget,
-    normalize_priority,
     parse_length_constraint,
     parse_number,
     strip_role_markers,
     tag,
 )
+from tether.priority import parse as parse_priority
 
 # ---------------------------------------------------------------- end to end
 
@@ -115,7 +115,7 @@ def test_bad_sizes_are_rejected() -> None:
                                             ("standard", "standard"), ("sheddable", "sheddable"),
                                             (" Critical ", "critical")])
 def test_priority_accepted(given: str, expected: str) -> None:
-    assert normalize_priority(given) == expected
+    assert parse_priority(given) == expected
     assert tag("hi", 1, 10, priority=given).priority == expected
 
 

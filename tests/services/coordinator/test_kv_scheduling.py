@@ -11,6 +11,7 @@ from tether.generation.sequence import Sequence
 from tether.kv.blocks import BlockPool, block_keys
 from tether.kv.blocks import NoCapacity
 from tether.model.loader import load_model_tokenizer, resolve_model
+from tether.priority import Priority
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params
 
@@ -25,7 +26,7 @@ def req(rid: str, prompt: list[int] | int = 4, priority: str = "standard", max_t
         seed: int = SEED) -> Request:
     ids = prompt if isinstance(prompt, list) else [65 + i % 26 for i in range(prompt)]
     return Request(Sequence(rid, list(ids), sampling_params(max_tokens=max_tokens), TOK, seed, 4096),
-                   priority=priority)
+                   priority=Priority(priority))
 
 
 def sched_with(capacity: int, caching: bool = True, stages: int = 1) -> Scheduler:

@@ -8,6 +8,7 @@ from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
 from tether.mathutil import ceil_div
 from tether.model.loader import load_model_tokenizer, resolve_model
+from tether.priority import Priority
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params
 
@@ -17,7 +18,7 @@ TOK = load_model_tokenizer(resolve_model("tiny"))
 
 def req(rid: str, priority: str = "standard", max_tokens: int = 8, prompt: int = 4) -> Request:
     ids = [65 + i % 26 for i in range(prompt)]
-    return Request(Sequence(rid, ids, sampling_params(max_tokens=max_tokens), TOK, SEED, 4096), priority=priority)
+    return Request(Sequence(rid, ids, sampling_params(max_tokens=max_tokens), TOK, SEED, 4096), priority=Priority(priority))
 
 
 def test_start_class_ages_one_class_per_aging_period():

@@ -11,6 +11,7 @@ from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
 from tether.mathutil import ceil_div
 from tether.model.loader import load_model_tokenizer, resolve_model
+from tether.priority import from_peer
 from tether.protocol.hashing import context_hash, hash_seed
 from tether.reference import sampling_params
 
@@ -21,7 +22,7 @@ TOK = load_model_tokenizer(resolve_model("tiny"))
 def req(rid: str, prompt_len: int = 4, priority: str = "standard", max_tokens: int = 100) -> Request:
     seq = Sequence(rid, [65 + i % 26 for i in range(prompt_len)], sampling_params(max_tokens=max_tokens), TOK,
                    SEED, 4096)
-    return Request(seq, priority=priority)
+    return Request(seq, priority=from_peer(priority))   # as the coordinator reads a SubmitRequest
 
 
 def complete(sched: Scheduler, batch: list[Request], token: int = 66) -> None:
