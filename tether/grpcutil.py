@@ -118,8 +118,3 @@ class Server:
         log.info("shutting down %s", self.address)
         await self.set_serving(False)
         await self.server.stop(grace_s)
-
-
-def configure_logging(name: str, level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")

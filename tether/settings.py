@@ -37,6 +37,10 @@ LOAD_REPORT_INTERVAL_S = 0.25  # how often each coordinator streams its load to 
 DISCOVERY_INTERVAL_S = 5.0     # how often admission re-resolves `--coordinator dns:NAME:PORT` (pipelines come and go)
 ROUTE_POLICIES = ("features", "least-loaded", "round-robin")   # admission's routing (services/admission/routing.py)
 ROUTE_POLICY = "features"      # the default: by predicted cost, load, prefix affinity, KV room and roles
+# A decode token costs about this many prefill tokens of work: one engine step per output token (what a step
+# costs is mostly its fixed part on these models), against prompt tokens computed hundreds per step. Admission's
+# router predicts a request's cost with it, the coordinator its pipeline's pending work (Coordinator.Watch).
+DECODE_TOKEN_COST = 8.0
 # A request whose client set no deadline gets this one (admission, and the coordinator for its own peers):
 # a wedged request ends with DEADLINE_EXCEEDED instead of waiting forever.
 MAX_REQUEST_LIFETIME_S = 600.0

@@ -124,9 +124,6 @@ class FrontWork:
     def is_inline(self, request: admission_pb2.GenerateRequest) -> bool:
         return self.pool is None or request_bytes(request) <= self.inline_bytes
 
-    def inline(self, request: admission_pb2.GenerateRequest) -> tuple[ValidRequest, Tags]:
-        return admit(request, self.limits)
-
     async def run(self, request: admission_pb2.GenerateRequest, timeout_s: float) -> tuple[ValidRequest, Tags]:
         """`admit` in a worker process within `timeout_s` (TimeoutError past it); a dead worker restarts the
         pool and raises BrokenProcessPool for this request."""

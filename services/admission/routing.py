@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tether import settings
 from tether.mathutil import ceil_div
 
-# A decode token costs about this many prefill tokens of work: one engine step per output token (what a
-# step costs is mostly its fixed part on these models), against prompt tokens computed hundreds per step.
-DECODE_TOKEN_COST = 8.0
 PREFIX_AFFINITY_ENTRIES = 65536   # prefix keys admission remembers (LRU): ~5 MB at most
 
 
@@ -56,7 +53,7 @@ class RouteRequest:
     @property
     def cost(self) -> float:
         """Predicted work, in prefill-token units: the paper's semantic weight."""
-        return self.prompt_tokens + DECODE_TOKEN_COST * self.max_tokens
+        return self.prompt_tokens + settings.DECODE_TOKEN_COST * self.max_tokens
 
     @property
     def positions(self) -> int:
@@ -260,7 +257,3 @@ def predicted_wait_s(load: PipelineLoad, in_flight: int, req: RouteRequest, slot
     ahead = max(load.waiting, in_flight - load.running)
     steps = 1 + ahead // max(1, slots_per_step) + ceil_div(req.prompt_tokens, max(1, tokens_per_step))
     return load.step_seconds * steps
-
-
-def names(loads: Iterable[PipelineLoad]) -> list[str]:
-    return [p.name for p in loads]

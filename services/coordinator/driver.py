@@ -28,7 +28,6 @@ import grpc
 
 from services.coordinator.health import PipelineHealth
 from services.coordinator.inflight import FramesInFlight
-from services.coordinator.ledger import UNBOUNDED
 from services.coordinator.pipeline import Pipeline, PipelineDown
 from services.coordinator.releases import ReleaseQueue
 from services.coordinator.request_spans import RequestSpans
@@ -211,12 +210,9 @@ class Driver:
         slots, rows = self.pipeline.frame_limits()
         self.sched.max_slots = min(self.max_slots, slots) if slots else self.max_slots
         self.sched.max_tokens = min(self.max_tokens, rows) if rows else self.max_tokens
-        blocks = [(s.kv_capacity_tokens, s.kv_block_tokens) for s in self.pipeline.stages]
-        if blocks and all(b for _, b in blocks) and len({b for _, b in blocks}) == 1:
-            block = blocks[0][1]
-            self.sched.ledger.configure(min(c // block for c, _ in blocks), block, self.prefix_cache)
-        else:   # plain kernels (an experiment): no paged blocks to mirror, no prefix cache
-            self.sched.ledger.configure(UNBOUNDED, self.sched.ledger.block, False)
+        block = self.pipeline.stages[0].kv_block_tokens   # the same on every stage (Pipeline.connect checked)
+        capacity = min(s.kv_capacity_tokens // block for s in self.pipeline.stages)
+        self.sched.ledger.configure(capacity, block, self.prefix_cache)
 
     async def crashed(self, error: BaseException) -> None:
         """The loop died of an unexpected error (a bug, a peer answering outside the contract): fail every

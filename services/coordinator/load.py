@@ -8,10 +8,9 @@ import asyncio
 
 from services.coordinator.driver import Driver
 from services.coordinator.ledger import UNBOUNDED
+from tether import settings
 from tether.v1 import coordinator_pb2
 
-# A decode token costs about this many prefill tokens of work (the admission router's DECODE_TOKEN_COST).
-DECODE_TOKEN_COST = 8.0
 DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0
 
@@ -21,7 +20,7 @@ def predicted_work(driver: Driver) -> float:
     work = 0.0
     for req in driver.active():
         seq = req.seq
-        work += req.pending + DECODE_TOKEN_COST * max(0, seq.sampling.max_tokens - len(seq.output_ids))
+        work += req.pending + settings.DECODE_TOKEN_COST * max(0, seq.sampling.max_tokens - len(seq.output_ids))
     return work
 
 

@@ -82,6 +82,10 @@ class Pipeline:
             raise PipelineDown(f"stage 0 ({self.addresses[0]}) unreachable: {e.code().name} {e.details()}") from None
         if not reply.ok:
             raise PipelineDown(f"pipeline refused: {reply.error}")
+        blocks = sorted({s.kv_block_tokens for s in reply.stages})
+        if len(blocks) != 1 or not blocks[0]:   # the scheduler's ledger mirrors every stage's pool in one unit
+            raise PipelineDown(f"pipeline refused: its stages' KV blocks hold {blocks} positions; the coordinator "
+                               f"schedules over one block size")
         self.epoch, self.stages, self.stream_seq, self.stamp_key = epoch, list(reply.stages), 0, key
         self.call = stub.Forward()
 

@@ -87,9 +87,6 @@ class BlockPool:
         """Blocks an allocation can get: free ones, then evictable cached ones."""
         return len(self.free) + (self.capacity - self.fresh) + len(self.evictable)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.available
-
     # --- holding ----------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """n blocks for a new holder: free ones first, then the least recently used cached ones (evicted).

@@ -6,7 +6,25 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+@dataclass(frozen=True)
+class Family:
+    """What tether needs to know of a supported architecture beyond config.json's numbers: the defaults its
+    config may leave out."""
+
+    model_type: str                  # config.json's "model_type", written back by to_hf_dict
+    attention_bias: bool = False     # q/k/v projections have biases unless the config says otherwise (Qwen2)
+    sliding_window: bool = False     # uses sliding-window attention unless the config says otherwise (Mistral)
+
+
+# The architectures tether serves (config.json's "architectures"[0]): one row per family, nothing elsewhere
+# tests an architecture's name.
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama"),
+    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True),
+    "MistralForCausalLM": Family("mistral", sliding_window=True),
+}
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"   # a config.json without "architectures"
 
 
 @dataclass(frozen=True)
@@ -25,16 +43,15 @@ class ModelConfig:
     attention_bias: bool = False     # Qwen2 has q/k/v biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    architecture: str = "LlamaForCausalLM"
+    architecture: str = DEFAULT_ARCHITECTURE
     torch_dtype: str = "float32"
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; tether serves "
-                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        arch = (cfg.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+        family = FAMILIES.get(arch)
+        if family is None:
+            raise ValueError(f"unsupported architecture {arch!r}; tether serves {', '.join(sorted(FAMILIES))}")
         # transformers >= 5 writes RoPE settings into "rope_parameters"; older checkpoints keep them top level.
         rope = cfg.get("rope_parameters") or {}
         for scaling in (cfg.get("rope_scaling"), rope):
@@ -43,7 +60,7 @@ class ModelConfig:
                                  f"plain RoPE only")
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         window = cfg.get("sliding_window")
-        uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        uses_window = cfg.get("use_sliding_window", family.sliding_window)
         if uses_window and window and window < cfg.get("max_position_embeddings", 2048):
             raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: tether "
                              f"would attend to keys the model masks out")
@@ -62,7 +79,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
@@ -82,8 +99,7 @@ class ModelConfig:
         arch = d.pop("architecture")
         d["eos_token_id"] = list(eos) if len(eos) != 1 else eos[0]
         d["architectures"] = [arch]
-        d["model_type"] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                           "MistralForCausalLM": "mistral"}[arch]
+        d["model_type"] = FAMILIES[arch].model_type
         d["hidden_act"] = "silu"
         return d
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from services.coordinator.scheduler import Request
+from tether import settings
 from tether.generation.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.protocol.hashing import hash_seed
@@ -21,7 +22,8 @@ class FakePipeline:
     """Stands in for services.coordinator.pipeline.Pipeline: records frames, answers with `answer(frame)`."""
 
     num_stages = 1
-    stages: list = []
+    # what a one-stage handshake reports: a paged pool in blocks, so large the ledger never runs out of it
+    stages = [stage_pb2.StageInfo(kv_block_tokens=settings.ATTENTION_BLOCK, kv_capacity_tokens=1 << 40)]
     epoch = 1
     stamp_key = StampKey(bytes(range(32)))   # what a handshake would have agreed with the (fake) stages
 
