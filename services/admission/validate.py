@@ -147,7 +147,7 @@ def _check_tenant(tenant: str) -> str:
     return tenant
 
 
-def _check_priority(priority: str) -> str:
+def _check_priority(priority: str) -> Priority:
     try:
         return parse_priority(priority)
     except ValueError as e:
