@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/tether/v1/*.proto)
 GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: help setup proto run test test-fast bench bench-chaos bench-front-door bench-memory bench-overload bench-prefix soak clean
+.PHONY: help setup proto run lint test test-fast bench bench-chaos bench-front-door bench-memory bench-overload bench-prefix soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -33,6 +33,10 @@ tether/v1/%_pb2.py: protos/tether/v1/%.proto $(STAMP)
 
 run: setup  ## start the local cluster on the default model (SmolLM2-135M-Instruct) and show it answering
 	$(BIN)/tether up --demo
+
+lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (services/ and tether/), as pyproject.toml sets them
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Two test processes (pytest-xdist), each test file whole on one of them (its module-scoped cluster is started
 # once): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
