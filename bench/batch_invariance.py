@@ -156,10 +156,11 @@ def main() -> None:
         plain, inv = PlainSlice(load_slice(folder)), load_slice(folder)
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()
-            dec_plain, dec = ratio(plain, inv, lambda m: decode_tokens_per_s(m, [args.context] * b, args.steps),
+            dec_plain, dec = ratio(plain, inv, lambda m, b=b: decode_tokens_per_s(m, [args.context] * b, args.steps),
                                    args.repeats)
-            _, dec_mixed = ratio(plain, inv, lambda m: decode_tokens_per_s(m, mixed, args.steps), args.repeats)
-            pre_plain, pre = ratio(plain, inv, lambda m: prefill_tokens_per_s(m, b, args.prompt), args.repeats)
+            _, dec_mixed = ratio(plain, inv, lambda m, mixed=mixed: decode_tokens_per_s(m, mixed, args.steps),
+                                 args.repeats)
+            pre_plain, pre = ratio(plain, inv, lambda m, b=b: prefill_tokens_per_s(m, b, args.prompt), args.repeats)
             print(f"| {name} | {b} | {dec_plain:.0f} | {dec:.2f} | {dec_mixed:.2f} | {pre_plain:.0f} | {pre:.2f} |",
                   flush=True)
         if args.long:

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                         cluster = on if side == "on" else off
                         result[side] = bench(cluster.target, args, logs / f"bench-{r}-{side}")
                 else:
-                    result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}")
+                    result = together({side: lambda side=side, c=c, r=r: bench(c.target, args,
+                                                                               logs / f"bench-{r}-{side}")
                                        for side, c in (("off", off), ("on", on))})
             finally:
                 scraper.stop.set()

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         secure.start(timeout=300)
         credentials = {"plain": [], "secure": ["--tls-ca", str(secure.tls_dir / "ca.pem"), "--api-key", key]}
         for r in range(args.repeats):
-            result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}",
+            result = together({side: lambda side=side, c=c, r=r: bench(c.target, args, logs / f"bench-{r}-{side}",
                                                                   ["--audit", *credentials[side]])
                                for side, c in (("plain", plain), ("secure", secure))})
             off, on = (result[s]["output_token_throughput"] for s in ("plain", "secure"))

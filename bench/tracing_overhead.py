@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.environ.pop(k, None)
         for r in range(args.repeats):
             before = receiver.requests
-            result = together({side: lambda side=side, c=c: bench(c.target, args, logs / f"bench-{r}-{side}")
+            result = together({side: lambda side=side, c=c, r=r: bench(c.target, args, logs / f"bench-{r}-{side}")
                                for side, c in (("off", off), ("on", on))})
             ratio = result["on"]["output_token_throughput"] / result["off"]["output_token_throughput"]
             pairs.append(dict(off=result["off"]["output_token_throughput"], on=result["on"]["output_token_throughput"],

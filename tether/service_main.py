@@ -52,7 +52,7 @@ def run(name: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
     try:
         asyncio.run(serve(args))
     except fatal as e:
-        raise SystemExit(f"tether {name}: {e}")
+        raise SystemExit(f"tether {name}: {e}") from None
 
 
 def serve_metrics(name: str, registry: CollectorRegistry, host: str, port: int) -> None:

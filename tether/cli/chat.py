@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         client = Client(args.target, timeout=args.timeout, retry=retry_policy(args.retries), **connection(args))
     except ValueError as e:   # credentials the SDK cannot use (half a TLS pair, an unreadable file)
-        raise SystemExit(f"tether chat: {e}")
+        raise SystemExit(f"tether chat: {e}") from None
     with client:
         try:
             repl(client, Conversation(args.system), params, sys.stdin, sys.stdout, sys.stderr, sys.stdin.isatty())

@@ -23,7 +23,7 @@ def retries(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--retries takes a whole number of retries (0 disables); got {text!r}")
+        raise argparse.ArgumentTypeError(f"--retries takes a whole number of retries (0 disables); got {text!r}") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"--retries cannot be negative (0 disables retries); got {n}")
     return n
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                 return
             result = client.chat(messages, **params) if messages else client.generate(args.prompt, **params)
     except TetherError as e:
-        raise SystemExit(f"tether generate: {error_text(e, args.retries > 0)}")
+        raise SystemExit(f"tether generate: {error_text(e, args.retries > 0)}") from None
     except ValueError as e:   # credentials the SDK cannot use (half a TLS pair, an unreadable file)
-        raise SystemExit(f"tether generate: {e}")
+        raise SystemExit(f"tether generate: {e}") from None
     if args.json:
         print(json.dumps(dataclasses.asdict(result), ensure_ascii=False, indent=2))
     else:
@@ -156,5 +156,5 @@ def tag_main(argv: list[str] | None = None) -> None:
         with Client(args.target, **connection(args)) as client:
             tags = client.tag(args.prompt, max_tokens=args.max_tokens, messages=messages)
     except (TetherError, ValueError) as e:
-        raise SystemExit(f"tether tag: {e}")
+        raise SystemExit(f"tether tag: {e}") from None
     print(json.dumps(tags, ensure_ascii=False, indent=2))

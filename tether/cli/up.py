@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tether up: {e}", file=sys.stderr, flush=True)   # the cause first, then the shutdown
         exit_code = 1
     except (TimeoutError, RuntimeError, ValueError, OSError) as e:
-        raise SystemExit(f"tether up: {e}")
+        raise SystemExit(f"tether up: {e}") from None
     else:
         exit_code = 0
     finally:

@@ -564,7 +564,7 @@ def run_compare(args: argparse.Namespace, options: BenchOptions, argv: list[str]
     asked) on the one with the cache."""
     clusters: list[LocalCluster] = []
     try:
-        for name, cache in ((cluster_stats.CACHE_OFF, False), (cluster_stats.CACHE_ON, True)):
+        for cache in (False, True):
             clusters.append(start_cluster(args, cache, args.out / "logs" / ("cache-on" if cache else "cache-off")))
         off, on = (Bench(options, c.target, lm, workload, probe_of(args, c), name)
                    for c, name in zip(clusters, (cluster_stats.CACHE_OFF, cluster_stats.CACHE_ON)))

@@ -197,7 +197,7 @@ def test_json_logs_carry_the_request_id(mcluster):
     for name in SERVICES:
         svc = mcluster.service(name)
 
-        def parsed() -> list[dict]:
+        def parsed(svc=svc, name=name) -> list[dict]:
             lines = [ln for ln in svc.log_path.read_text().splitlines() if ln.strip()]
             out = []
             for ln in lines:

@@ -114,8 +114,9 @@ def test_one_request_is_one_trace_across_every_service(cluster, receiver):
         assert stage.attributes["tether.stage_index"] == i and stage.attributes["tether.request_id"] == rid
         assert stage.attributes["tether.steps"] >= len(reply.token_ids)
         # the shared steps this request took part in link to its span on the stage
-        steps = receiver.wait_for(lambda all_: any((CALLER_TRACE, stage.span_id) in s.links for s in all_
-                                                   if s.name == f"stage{i} step"), what=f"stage{i} step links")
+        steps = receiver.wait_for(lambda all_, stage=stage, i=i: any((CALLER_TRACE, stage.span_id) in s.links
+                                                                     for s in all_ if s.name == f"stage{i} step"),
+                                  what=f"stage{i} step links")
         linked = [s for s in steps if s.name == f"stage{i} step" and (CALLER_TRACE, stage.span_id) in s.links]
         assert len(linked) >= len(reply.token_ids) and all(s.parent_span_id == "" for s in linked)
 
@@ -125,7 +126,7 @@ def test_a_rebuilt_request_shows_the_rebuild_with_its_reason(cluster, receiver):
     with Client(cluster.target, timeout=60, retry=None) as client:
         for k in range(40):   # corrupt=0.15 on both stages: a request of 8 tokens is rebuilt most of the time
             r = client.generate(f"request {k} that may be rebuilt", max_tokens=8, request_id=f"rebuild-{k}")
-            spans = receiver.wait_for(lambda s: any(x.name == "coordinator request" and
+            spans = receiver.wait_for(lambda s, r=r: any(x.name == "coordinator request" and
                                                     x.attributes.get("tether.request_id") == r.receipt.internal_id
                                                     for x in s), what=f"coordinator span of {r.receipt.internal_id}")
             coord = next(x for x in spans if x.name == "coordinator request"

@@ -148,7 +148,7 @@ def test_duplicates_and_delays_between_stages(start_stage, last, kit):
 def test_reorder_between_stages(start_stage, last, kit):
     first = chain(start_stage, last, "reorder=1,hold_ms=1500")
     stream = first.stream()
-    (ra, fa), (rb, fb) = prompts_frame(stream, kit, "ra", 1), prompts_frame(stream, kit, "rb", 1)
+    (_, fa), (_, fb) = prompts_frame(stream, kit, "ra", 1), prompts_frame(stream, kit, "rb", 1)
     stream.send(fa)
     stream.send(fb)                                        # a is held, then goes out after b
     replies = {r.stream_seq: reasons(r) for r in (stream.recv(), stream.recv())}

@@ -230,6 +230,6 @@ def test_launcher_gives_up_after_too_many_crashes(tmp_path, flags, kills):
     else:
         assert "stage1 exited with -9; restarts are off: stopping the cluster" in out
     log = (tmp_path / "stage1.log").read_text().strip().splitlines()
-    assert log and f"--- last lines of stage1's log ---\n" in out and log[-1] in out, out
+    assert log and "--- last lines of stage1's log ---\n" in out and log[-1] in out, out
     assert "stopped." in out
     _assert_no_child_left(up.all_pids())

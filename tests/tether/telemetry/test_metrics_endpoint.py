@@ -188,7 +188,7 @@ def test_stage_metrics_bind_metrics_host_not_the_grpc_host():
             procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.PIPE), port, mport))
         for (proc, port, mport), (_, metrics_host) in zip(procs, cases):
-            def exited() -> None:
+            def exited(proc=proc) -> None:
                 if proc.poll() is not None:
                     raise AssertionError(f"the stage exited: {proc.stderr.read().decode()[-2000:]}")
             with grpc.insecure_channel(f"127.0.0.2:{port}") as channel:
