@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -108,8 +108,10 @@ class Server:
     async def start(self) -> None:
         await self.server.start()
 
-    async def wait_for_signal(self, grace_s: float = 5.0) -> None:
-        """Block until SIGINT/SIGTERM, then stop accepting, let in-flight calls finish for `grace_s`."""
+    async def wait_for_signal(self, grace_s: float = 5.0,
+                              before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Block until SIGINT/SIGTERM, then (after `before_stop`, e.g. a drain, while calls are still served)
+        stop accepting, let in-flight calls finish for `grace_s`."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,4 +119,6 @@ class Server:
         await stop.wait()
         log.info("shutting down %s", self.address)
         await self.set_serving(False)
+        if before_stop is not None:
+            await before_stop()
         await self.server.stop(grace_s)

@@ -56,6 +56,14 @@ FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its re
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail
 MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before it fails with ABORTED
+# Admission continues a request a pipeline dropped (its Session broke, UNAVAILABLE, handed back while draining)
+# on another pipeline after the tokens already passed on (docs/PROTOCOL.md "Resume"): at most this many times
+# per request, each time waiting at most ADMISSION_RESUME_WAIT_S (and never past its deadline) for a pipeline.
+ADMISSION_RESUME_HOPS = 4
+ADMISSION_RESUME_WAIT_S = RECOVERY_WINDOW_S
+DRAIN_S = 10.0                  # a draining coordinator (SIGTERM) lets its requests finish this long, then hands
+                                # the rest back to admission to continue elsewhere, then exits
+ADMISSION_RESUME_POLL_S = 0.2   # how often a dropped request asks the router again while no pipeline takes it
 PRIORITY_AGING_STEPS = 100  # engine steps a waiting request waits to rise one priority class: nothing starves
 RESERVE_KV_OUTPUT_TOKENS = 256   # a request with at least this output budget holds KV for all of it from the
                                  # start: it is never preempted for room it was always going to need

@@ -15,6 +15,7 @@ internal id minted here; the caller's `request_id` is a label, echoed in the rec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -266,25 +267,94 @@ class FrontDoor:
     async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed, call: Call,
                         outcome: Outcome, arrived: float) -> AsyncIterator[Event]:
         """Yield the coordinator's events in order, the last one with its receipt; raise Rejected on any error.
-        `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there)."""
-        valid, tags, rid = a.valid, a.tags, a.internal_id
+        `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there).
+
+        A pipeline that drops the request (`Dropped`: its Session broke, it answered UNAVAILABLE) does not end
+        it: it continues on another pipeline of our model (or the same one once it serves again) after the
+        tokens already passed on (`resume_tokens`), within its deadline and ADMISSION_RESUME_HOPS; the caller
+        sees one stream. Each pipeline gets it as a new request (its own id, epoch 1 on its stages)."""
+        valid, rid = a.valid, a.internal_id
         logs.set_request(rid, valid.request_id)   # this handler's task: every line it logs carries the id
+        passed = list(valid.resume_token_ids)     # output the caller has: what a next pipeline resumes after
+        outcome.started(valid.tenant, len(valid.prompt_token_ids), arrived, len(passed))
+        how: str | None = "CANCELLED"             # how it ended, for the access log (None: finished)
+        try:
+            for hop in range(settings.ADMISSION_RESUME_HOPS + 1):
+                try:
+                    # aclosing: a caller gone mid-stream closes this hop now, cancelling it on its coordinator
+                    async with aclosing(self._hop(request, a, routed, call, outcome, passed, hop)) as events:
+                        async for event, receipt in events:
+                            yield event, receipt
+                    how = None
+                    return
+                except Dropped as dropped:
+                    if hop == settings.ADMISSION_RESUME_HOPS:
+                        raise Rejected(dropped.code, f"{dropped.message}; it was continued on another pipeline "
+                                                     f"{hop} time(s), the most allowed") from None
+                    routed = await self._take_over(a, call, dropped, routed.link.address)
+                    outcome.resumed(dropped.reason, dropped.message, routed.link.address)
+            raise AssertionError("unreachable: the last hop returns or raises")
+        except Rejected as e:
+            how = e.code.name
+            log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, e.code.name, e.message)
+            raise
+        finally:
+            if how is not None:
+                outcome.failed(how)
+            outcome.ended(rid, "finished" if how is None else how)
+
+    async def _take_over(self, a: Admitted, call: Call, dropped: "Dropped", dropped_by: str) -> Routed:
+        """A pipeline for a request another dropped: asked again every ADMISSION_RESUME_POLL_S while none takes
+        it, for at most ADMISSION_RESUME_WAIT_S and never past the caller's deadline; else the status the caller
+        would have got from the pipeline that dropped it (Rejected)."""
+        valid, tags = a.valid, a.tags
+        req = RouteRequest(len(valid.prompt_token_ids), tags.output_budget, tags.size_class, tags.priority,
+                           routing_key(valid.prompt_token_ids, tags.prefix_key, valid.tenant))
+        loop = asyncio.get_running_loop()
+        # A pipeline that answered UNAVAILABLE already waited out its recovery window: only a pipeline that
+        # serves now takes it over. One whose stream broke (a coordinator that died) may be back in a moment.
+        wait_s = 0.0 if dropped.reason == "unavailable" else settings.ADMISSION_RESUME_WAIT_S
+        give_up = loop.time() + wait_s
+        remaining = call.time_remaining()
+        if remaining is not None:
+            give_up = min(give_up, loop.time() + remaining)
+        avoid: str | None = dropped_by
+        while True:
+            try:
+                return self.pipelines.choose(req, call.time_remaining(), avoid=avoid)
+            except Refused as e:
+                if avoid is not None:   # nothing else takes it: the same pipeline too, once it serves again
+                    avoid = None
+                    continue
+                if loop.time() + settings.ADMISSION_RESUME_POLL_S >= give_up:
+                    raise Rejected(dropped.code, f"{dropped.message}; no pipeline took it over in time: "
+                                                 f"{e.message}") from None
+            await asyncio.sleep(settings.ADMISSION_RESUME_POLL_S)
+
+    async def _hop(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed, call: Call,
+                   outcome: Outcome, passed: list[int], hop: int) -> AsyncIterator[Event]:
+        """The request on one pipeline: its events (each token appended to `passed` as it is yielded), the last
+        one with its receipt; Dropped when the pipeline drops it, Rejected on any other error."""
+        valid, tags, rid = a.valid, a.tags, a.internal_id
         sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(valid.sampling)
+        sampling.CopyFrom(valid.sampling)          # the seed admission drew, on every pipeline
         sampling.max_tokens = tags.output_budget
         # The caller's deadline bounds the request downstream too, so the coordinator stops working on it in
         # time; a caller without one gets the maximum lifetime.
         remaining = call.time_remaining()
         lifetime_applied = remaining is None
-        submit = coordinator_pb2.SubmitRequest(request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+        # A new request to each pipeline: its own id (the stages of a pipeline that comes back may still hold
+        # the first), the caller's label and the receipt's internal id unchanged.
+        submit = coordinator_pb2.SubmitRequest(request_id=rid if hop == 0 else f"{rid}-{hop}",
+                                               prompt_token_ids=valid.prompt_token_ids,
                                                sampling=sampling, tenant=valid.tenant, priority=valid.priority,
-                                               label=valid.request_id, resume_tokens=valid.resume_token_ids,
+                                               label=valid.request_id, resume_tokens=passed,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining,
                                                traceparent=outcome.traceparent)
         target = routed.link.address
         events = routed.link.session.start(submit)
-        outcome.started(valid.tenant, len(valid.prompt_token_ids), arrived, len(valid.resume_token_ids))
         failure: tuple[grpc.StatusCode, str] | None = None
+        dropped: Dropped | None = None
         ended = False            # the coordinator ended the request (last token or a status): nothing to cancel
         finished = False         # ... with its last token
         try:
@@ -293,6 +363,7 @@ class FrontDoor:
                 if isinstance(event, SessionBroken):
                     ended = True
                     failure = (event.code, f"coordinator {target} said: {event.details}")
+                    dropped = Dropped("session_broken", *failure)
                     break
                 if event.status_code:
                     ended = True
@@ -302,12 +373,17 @@ class FrontDoor:
                                          f"(the call set no deadline)")
                     else:
                         failure = (code, f"coordinator {target} said: {event.status_message}")
+                    if event.handed_back:   # a draining coordinator gave it back unfinished
+                        dropped = Dropped("handed_back", *failure)
+                    elif code == grpc.StatusCode.UNAVAILABLE:
+                        dropped = Dropped("unavailable", *failure)
                     break
                 if event.index != outcome.tokens:
                     failure = (grpc.StatusCode.INTERNAL, f"coordinator skipped a token index: expected "
                                                          f"{outcome.tokens}, got {event.index} (request {rid})")
                     break
                 outcome.token()
+                passed.append(event.token_id)
                 if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield event, None
                     continue
@@ -320,14 +396,20 @@ class FrontDoor:
                 return
         finally:
             # Runs on client disconnect and deadline too (the face's task is cancelled): stop the coordinator's work.
-            routed.link.session.end(rid, cancel=not ended)
-            how = None if finished else failure[0] if failure else grpc.StatusCode.CANCELLED
-            self.pipelines.finished(routed, how)
-            if how is not None:
-                outcome.failed(how.name)
-            outcome.ended(rid, "finished" if how is None else how.name)
-        log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, failure[0].name, failure[1])
+            routed.link.session.end(submit.request_id, cancel=not ended)
+            self.pipelines.finished(routed, None if finished else failure[0] if failure else grpc.StatusCode.CANCELLED)
+        if dropped is not None:
+            raise dropped
         raise Rejected(*failure)
+
+
+class Dropped(Exception):
+    """A pipeline dropped a request it may not have finished (its Session broke, it answered UNAVAILABLE):
+    admission continues it elsewhere. `reason` labels tether:requests_resumed_total."""
+
+    def __init__(self, reason: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.code, self.message = reason, code, message
 
 
 def request_digest(request: admission_pb2.GenerateRequest) -> int:

@@ -61,6 +61,7 @@ class Trace(Protocol):
     def routed(self, routed: Routed | None, started_ns: int, error: BaseException | None = None) -> None: ...
     def finished(self, output_tokens: int, finish_reason: str) -> None: ...
     def usage(self, output_tokens: int) -> None: ...
+    def resumed(self, reason: str, detail: str, pipeline: str, tokens: int) -> None: ...
     def end(self, error: BaseException | None) -> None: ...
 
 
@@ -73,6 +74,7 @@ class NoTrace:
     def routed(self, *args: object) -> None: pass
     def finished(self, *args: object) -> None: pass
     def usage(self, *args: object) -> None: pass
+    def resumed(self, *args: object) -> None: pass
     def end(self, *args: object) -> None: pass
 
 
@@ -136,6 +138,11 @@ class RequestTrace:
 
     def usage(self, output_tokens: int) -> None:
         self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+
+    def resumed(self, reason: str, detail: str, pipeline: str, tokens: int) -> None:
+        """A hop: the pipeline dropped the request and it continues on `pipeline` after `tokens` outputs."""
+        self.span.add_event("resume", {"tether.reason": reason, "tether.detail": detail,
+                                       "tether.pipeline": pipeline, "tether.resume_tokens": tokens})
 
     def end(self, error: BaseException | None) -> None:
         if error is not None:
@@ -206,6 +213,13 @@ class Outcome:
         if self.timer is not None:
             self.timer.failed(code_name)
         self.trace.usage(self.tokens)
+
+    def resumed(self, reason: str, detail: str, pipeline: str) -> None:
+        """The request continues on another pipeline (`reason`: how the last one dropped it)."""
+        if self.metrics is not None:
+            self.metrics.resumed.labels(reason).inc()
+        self.trace.resumed(reason, detail, pipeline, self.tokens)
+        log.info("request continues on %s after %d token(s): %s (%s)", pipeline, self.tokens, reason, detail)
 
     def ended(self, request_id: str, how: str) -> None:
         # One line per request at DEBUG (free at INFO): with --log-format json, an access log keyed by id.

@@ -244,10 +244,11 @@ class Pipelines:
 
 
     # --- a request's route ----------------------------------------------------------------------------------
-    def choose(self, req: RouteRequest, deadline_s: float | None) -> Routed:
+    def choose(self, req: RouteRequest, deadline_s: float | None, avoid: str | None = None) -> Routed:
         """Pick a pipeline for `req`, or raise Refused: no pipeline can take it, or none would start it before
-        its deadline (`deadline_s`: seconds left, None when the caller set none)."""
-        links = list(self.links.values())
+        its deadline (`deadline_s`: seconds left, None when the caller set none). `avoid`: a pipeline that just
+        dropped this request, left out while there is another (its load report may not say so yet)."""
+        links = [l for l in self.links.values() if l.address != avoid] or list(self.links.values())
         try:
             decision = self.router.route(req, [l.load for l in links],
                                          {l.address: l.outstanding for l in links},

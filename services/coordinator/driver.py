@@ -49,6 +49,7 @@ class DuplicateRequest(Exception):
 class Failure:
     code: grpc.StatusCode
     message: str
+    handed_back: bool = False   # unfinished, given back while draining: admission continues it elsewhere
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Driver:
         # Traced requests only (tracing on and sampled): empty otherwise, and every tracing path of the loop
         # starts with `if self.traces:`, so with tracing off nothing else runs.
         self.traces: dict[str, RequestSpans] = {}
+        self.draining = False   # told to drain: no new request; what is left at the end is handed back
 
     @property
     def serving(self) -> bool:
@@ -116,6 +118,8 @@ class Driver:
     # --- requests ---------------------------------------------------------------------------------------
     def submit(self, req: Request, traceparent: str = "", label: str = "") -> asyncio.Queue:
         """Start a request; `traceparent` (admission's span of it) parents its spans when tracing is on."""
+        if self.draining:
+            raise PipelineDown("coordinator is draining (shutting down): send the request to another pipeline")
         if not self.serving:
             raise PipelineDown(f"pipeline not serving: {self.status}")
         if req.id in self.sinks or req.id in self.sched.running:
@@ -143,6 +147,16 @@ class Driver:
         if sink is not None:   # a Submit still streaming (a Cancel RPC, not its own client leaving) ends now
             sink.put_nowait(Failure(grpc.StatusCode.CANCELLED, f"request {request_id} was cancelled"))
         return True
+
+    def hand_back(self) -> int:
+        """Draining is over: every request still active ends with UNAVAILABLE marked handed back (admission
+        continues it on another pipeline after the tokens it has), its state released. How many."""
+        left = self.active()
+        for req in left:
+            self._finish(req, Failure(grpc.StatusCode.UNAVAILABLE, f"request {req.id} handed back unfinished after "
+                                      f"{len(req.seq.output_ids)} token(s): the coordinator is draining",
+                                      handed_back=True))
+        return len(left)
 
     def active(self) -> list[Request]:
         return [*self.sched.running.values(), *self.sched.waiting]

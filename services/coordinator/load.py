@@ -28,7 +28,8 @@ def load_report(driver: Driver, fingerprint: str, max_context: int) -> coordinat
     s, ledger = driver.sched, driver.sched.ledger
     total = ledger.capacity if ledger.capacity < UNBOUNDED else 0
     return coordinator_pb2.LoadReport(
-        serving=driver.serving, status=driver.status, model_fingerprint=fingerprint,
+        serving=driver.serving and not driver.draining, draining=driver.draining,
+        status="draining" if driver.draining else driver.status, model_fingerprint=fingerprint,
         running=len(s.running), waiting=len(s.waiting), preempted=s.num_preempted,
         kv_blocks_total=total, kv_blocks_free=max(0, ledger.pool.available) if total else 0,
         kv_block_tokens=ledger.block, max_context=max_context, step_seconds=driver.step_seconds,

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the request ends with "
                         "DEADLINE_EXCEEDED and its state is released (default: %(default)s)")
+    p.add_argument("--drain-seconds", type=float, default=settings.DRAIN_S, metavar="SECONDS",
+                   help="on SIGTERM: take no new request (the load report says draining, so admission routes "
+                        "elsewhere), let running ones finish this long, hand the rest back to admission to "
+                        "continue on another pipeline, then exit (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="never start a request from the stages' prefix cache: every prompt is prefilled whole (for "
                         "comparisons; the stages still cache, and the KV accounting is unchanged)")
@@ -95,8 +99,19 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving(False)
     loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
+    async def drain() -> None:
+        """SIGTERM: no new work, what ends within --drain-seconds ends here, the rest is handed back."""
+        driver.draining = True
+        log.info("draining: %d request(s) active, up to %g s", len(driver.active()), args.drain_seconds)
+        deadline = asyncio.get_running_loop().time() + args.drain_seconds
+        while driver.active() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        handed = driver.hand_back()
+        if handed:
+            log.info("drained: %d request(s) handed back to admission", handed)
+        await asyncio.sleep(0.2)   # the Sessions write the hand-backs before the server stops
     try:
-        await server.wait_for_signal()
+        await server.wait_for_signal(before_stop=drain)
     finally:
         loop_task.cancel()
         await pipeline.close()

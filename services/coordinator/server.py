@@ -200,8 +200,9 @@ class _Session:
         self.out.append(event)
         self.ready.set()
 
-    def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
-        self._emit(coordinator_pb2.TokenEvent(request_id=rid, status_code=code.value[0], status_message=message))
+    def _fail(self, rid: str, code: grpc.StatusCode, message: str, handed_back: bool = False) -> None:
+        self._emit(coordinator_pb2.TokenEvent(request_id=rid, status_code=code.value[0], status_message=message,
+                                              handed_back=handed_back))
 
     def _start(self, request: coordinator_pb2.SubmitRequest) -> None:
         rid = request.request_id
@@ -227,7 +228,7 @@ class _Session:
             async with aclosing(self.svc.follow(started, timeout_s, given)) as events:
                 async for ev in events:
                     if isinstance(ev, Failure):
-                        self._fail(rid, ev.code, ev.message)
+                        self._fail(rid, ev.code, ev.message, ev.handed_back)
                     else:
                         self._emit(token_event(ev, rid))
         finally:

@@ -291,6 +291,10 @@ class AdmissionMetrics:
                                "reason", ["finished_reason"], registry=registry)
         self.failures = Counter(PREFIX + "request_failures", "Admitted requests that ended with an error status, "
                                 "by gRPC code (CANCELLED: the client went away)", ["code"], registry=registry)
+        self.resumed = Counter(PREFIX + "requests_resumed", "Requests a pipeline dropped that admission continued "
+                               "on another (or the same, once back) with the tokens already passed on, by how it "
+                               "dropped them: session_broken (the coordinator's stream broke), unavailable (it "
+                               "answered UNAVAILABLE), handed_back (it was draining)", ["reason"], registry=registry)
         self.shed = Counter(PREFIX + "requests_shed", "Requests refused by admission before reaching a "
                             "coordinator, by reason: overload (concurrency cap), priority_<priority> (shed near the "
                             "cap), tenant_limit, route_<code> (no pipeline can take it), not_ready, invalid, "

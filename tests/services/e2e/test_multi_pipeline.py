@@ -1,6 +1,7 @@
 """Several pipelines behind one admission (issue 12): requests spread over them by the router, every answer
 exact, each coordinator streaming its load over Watch, and a pipeline killed under load: its breaker opens,
-traffic moves to the other, and what was in flight on it fails explicitly and succeeds on the SDK's retry."""
+traffic moves to the other, and what was in flight on it is continued there by admission (docs/PROTOCOL.md
+"Resume"), exactly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -23,7 +25,7 @@ PROMPTS = ["Explain in under 30 words why the sky is blue.", "写一首关于秋
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=1, pipelines=2, threads=1,
+    c = LocalCluster(model="tiny", stages=1, pipelines=2, threads=1, metrics=True,
                      log_dir=tmp_path_factory.mktemp("two-pipelines")).start(timeout=180)
     yield c
     c.stop()
@@ -70,8 +72,9 @@ def _running(address: str) -> int:
 
 
 def test_a_pipeline_killed_under_load_moves_traffic_and_loses_no_answer(two):
-    """SIGKILL pipeline 1's coordinator while it runs requests: nothing wrong, nothing lost. Its requests fail
-    with UNAVAILABLE and the SDK's retry lands them on pipeline 0; later requests go there directly."""
+    """SIGKILL pipeline 1's coordinator while it runs requests: nothing wrong, nothing lost. Admission continues
+    its requests on pipeline 0 after the tokens they had (no retry at the client); later requests go there
+    directly."""
     survivor, victim = two.service("coordinator").address, two.service("p1-coordinator").address
     cases = [dict(c, max_tokens=40) for c in _cases(32, "kill")]
     outcome: dict = {}
@@ -91,7 +94,9 @@ def test_a_pipeline_killed_under_load_moves_traffic_and_loses_no_answer(two):
     results = outcome["results"]
     for case, got in zip(cases, results):
         _exact(case, got)
-    assert max(r.attempts for r in results) > 1, "no request was in flight on the killed pipeline"
+    metrics = urllib.request.urlopen(two.service("admission").metrics_url, timeout=5).read().decode()
+    assert 'tether:requests_resumed_total{reason="session_broken"}' in metrics, "nothing was resumed"
+    assert max(r.attempts for r in results) == 1      # admission hid the failure: the SDK never retried
     after = _cases(8, "after")
     results = asyncio.run(_generate_all(two.target, after, retry=False))
     for case, got in zip(after, results):
