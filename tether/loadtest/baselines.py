@@ -66,12 +66,13 @@ def run_engine(lm: reference.LoadedModel, jobs: Seq[Job], batch_size: int, max_b
     return BaselineRun(sum(len(s.output_ids) for s in seqs), time.perf_counter() - t0)
 
 
-def load_hf(folder: Path):
-    """The same weights in transformers (our presets are saved in Hugging Face Llama format)."""
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
+    """The same weights in transformers (our presets are saved in Hugging Face Llama format), in `dtype`: the
+    cluster's (the reference's `auto` choice), so the baseline computes in the numerics the cluster does."""
     import transformers   # a bench/test extra, imported only when this baseline runs
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
 
 
 def run_hf(hf, jobs: Seq[Job], batch_size: int, pad_id: int, eos_ids: frozenset[int]) -> BaselineRun:

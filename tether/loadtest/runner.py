@@ -141,7 +141,7 @@ class Bench:
         served, engine, hf_side, hf_cb = Side(), Side(), Side(), Side()
         hf = None
         try:
-            hf = baselines.load_hf(self.lm.folder)
+            hf = baselines.load_hf(self.lm.folder, self.lm.model.dtype)
         except ImportError:
             hf_side.error = hf_cb.error = "transformers is not installed (pip install -e '.[bench]')"
         eos = self.lm.tokenizer.eos_ids

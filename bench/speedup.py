@@ -1,0 +1,56 @@
+"""Two running clusters, e.g. a checkout of main and this branch (`tether up` on other ports), the same
+`tether bench` levels sent to each in turn: the output tokens/s of each side at each concurrency, and their
+ratio, as medians of repeats. Sides alternate which goes first every repeat, so that a shared machine's
+load falls on both alike. The client is this checkout's for both sides.
+
+    .venv/bin/python bench/speedup.py --a 127.0.0.1:52051 --b 127.0.0.1:53051 --model smollm2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.side_by_side import add_level_flags, bench  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", required=True, help="admission of the baseline cluster")
+    p.add_argument("--b", required=True, help="admission of the cluster measured against it")
+    p.add_argument("--levels", default="1,8", help="concurrencies, each a level (default: %(default)s)")
+    p.add_argument("--requests-per-user", type=int, default=4,
+                   help="requests per level = this x its concurrency, at least 8 (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON summary here")
+    add_level_flags(p, "repeats per side and level")
+    args = p.parse_args()
+    figures: dict[int, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for conc in (int(c) for c in args.levels.split(",")):
+                level = copy.copy(args)
+                level.concurrency, level.num_requests = conc, max(8, args.requests_per_user * conc)
+                order = ("a", "b") if rep % 2 == 0 else ("b", "a")
+                for side in order:
+                    s = bench(getattr(args, side), level, Path(tmp) / f"{side}-{conc}-{rep}")
+                    figures.setdefault(conc, {}).setdefault(side, []).append(s["output_token_throughput"])
+                    print(f"repeat {rep} concurrency {conc} {side}: {s['output_token_throughput']:.1f} tok/s", flush=True)
+    summary = {}
+    for conc, sides in figures.items():
+        a, b = statistics.median(sides["a"]), statistics.median(sides["b"])
+        summary[conc] = dict(a_median=a, b_median=b, ratio=b / a, a=sides["a"], b=sides["b"])
+        print(f"concurrency {conc}: a {a:.1f} tok/s, b {b:.1f} tok/s (medians of {len(sides['a'])}): "
+              f"b/a {b / a:.2f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(dict(levels=summary, args={k: str(v) for k, v in vars(args).items()}), indent=2))
+
+
+if __name__ == "__main__":
+    main()
