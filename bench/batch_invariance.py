@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tether.model.invariant import padded_rows
 from tether.model.llama import ModelSlice, SlotRows
+from tether.model import numerics
 from tether.model.loader import load_slice, resolve_model
 from tether.model.plain import PlainSlice
 from tether.model.tiles import AttentionPlan
@@ -96,13 +97,13 @@ def _decode_slot(model: Model, context: int) -> list[SlotRows]:
 def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
     """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
     the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
-    cfg, rows = inv.cfg, padded_rows(1)
+    cfg, rows = inv.cfg, padded_rows(1, pad=inv.pad)
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     si, sp = _decode_slot(inv, context), _decode_slot(plain, context)
-    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch)
-    q, k = torch.randn(rows, heads, d), torch.randn(rows, kv_heads, d)
+    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.pad)
+    q, k = torch.randn(rows, heads, d).to(inv.dtype), torch.randn(rows, kv_heads, d).to(inv.dtype)
     linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]
-    xs = [torch.randn(rows, m.in_features) for m in linears]
+    xs = [torch.randn(rows, m.in_features).to(inv.dtype) for m in linears]
     per_slot, layers = plain.attention(sp), range(cfg.num_hidden_layers)
     pieces = {
         "step, plain": lambda: plain.logits(plain(torch.tensor([5]), sp)),
@@ -111,7 +112,7 @@ def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) ->
         "linears at 1 row": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
         "tile attention, every layer": lambda: [plan.attend(q, k, k, 0) for _ in layers],
         "SDPA per request, every layer": lambda: [per_slot.attend(q[:1], k[:1], k[:1], 0) for _ in layers],
-        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch),
+        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.pad),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}
     for _ in range(repeats + 1):   # the first round warms up
@@ -134,6 +135,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median ratio is reported")
     p.add_argument("--long", type=int, default=1500, help="one long prompt's length (0 skips; default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=numerics.CHOICES,
+                   help="both sides' dtype; auto: the services' choice here (default: %(default)s)")
     p.add_argument("--breakdown", action="store_true", help="only a batch-1 decode step's pieces, as shares of "
                    "the plain step")
     args = p.parse_args()
@@ -141,19 +144,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.breakdown:
         for name in args.model or ["tiny", "small"]:
-            plain, inv = PlainSlice(load_slice(resolve_model(name))), load_slice(resolve_model(name))
+            plain, inv = PlainSlice(load_slice(resolve_model(name), dtype=args.dtype)), load_slice(resolve_model(name), dtype=args.dtype)
             for piece, share in breakdown(plain, inv, args.context, args.repeats).items():
                 print(f"{name:6s} {piece:32s} {share:.2f}× the plain step")
         return
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = invariant / plain throughput "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, --dtype {args.dtype}; ratio = invariant / plain throughput "
           f"(median of {args.repeats} interleaved repeats)\n")
     print("| model | batch | decode tok/s plain | decode ratio | mixed-context decode ratio "
           "| prefill tok/s plain | prefill ratio |")
     print("|---|---|---|---|---|---|---|")
     for name in args.model or ["tiny", "small"]:
         folder = resolve_model(name)
-        plain, inv = PlainSlice(load_slice(folder)), load_slice(folder)
+        plain, inv = PlainSlice(load_slice(folder, dtype=args.dtype)), load_slice(folder, dtype=args.dtype)
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()
             dec_plain, dec = ratio(plain, inv, lambda m, b=b: decode_tokens_per_s(m, [args.context] * b, args.steps),

@@ -18,6 +18,7 @@ from tether.generation import sampler
 from tether.generation.inprocess import InProcessEngine, forward_last
 from tether.generation.sequence import Sequence
 from tether.model.chat_template import ChatTemplate, load_chat_template, tokenize_conversation
+from tether.model import numerics
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
 from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
@@ -38,6 +39,12 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
+
+    @property
+    def served_fingerprint(self) -> str:
+        """The model and the dtype it runs in here: what a served receipt names (`fingerprint`, the model's
+        alone, keys the sampling seeds, as the coordinator's does)."""
+        return numerics.served_fingerprint(self.fingerprint, numerics.name_of(self.model.dtype))
 
 
 @functools.lru_cache(maxsize=4)
@@ -97,7 +104,7 @@ def chat(messages: Messages, model: str = "tiny", *, max_tokens: int = 64, tempe
 def _answer(lm: LoadedModel, prompt_ids: list[int], digest: int, params: common_pb2.SamplingParams,
             namespace: str, seed: int) -> GenerateResult:
     seq = generate_ids(lm, prompt_ids, params, namespace)
-    receipt = Receipt(seq.request_id, digest, len(prompt_ids), seq.hasher.value, len(seq.output_ids), lm.fingerprint)
+    receipt = Receipt(seq.request_id, digest, len(prompt_ids), seq.hasher.value, len(seq.output_ids), lm.served_fingerprint)
     return GenerateResult(seq.text, list(seq.output_ids), FINISH_REASONS[seq.finish_reason], receipt, seed=seed)
 
 

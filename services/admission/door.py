@@ -392,7 +392,8 @@ class FrontDoor:
                 yield event, common_pb2.Receipt(
                     request_id=valid.request_id, prompt_digest=request_digest(request),
                     prompt_tokens=len(valid.prompt_token_ids), context_hash=event.context_hash,
-                    output_tokens=outcome.tokens, model_fingerprint=self.model_fingerprint, internal_id=rid)
+                    output_tokens=outcome.tokens, internal_id=rid,
+                    model_fingerprint=routed.link.served_fingerprint or self.model_fingerprint)
                 return
         finally:
             # Runs on client disconnect and deadline too (the face's task is cancelled): stop the coordinator's work.

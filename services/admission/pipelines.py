@@ -26,6 +26,7 @@ from services.admission.limits import Refusal, shed_by_deadline
 from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
 from tether import settings, supervise
 from tether.grpcutil import channel
+from tether.model import numerics
 from tether.security import identity, server_check
 from tether.security.tls import TlsConfig
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -100,6 +101,7 @@ class PipelineLink:
         self.fingerprint = fingerprint
         self.load = PipelineLoad(address, roles=roles)
         self.reason = "no load report yet"       # why it is not routable, while it is not
+        self.served_fingerprint = ""             # from its load reports: the model and its stages' dtype
         self.breaker = breaker or CircuitBreaker()
         self.outstanding = 0.0                   # predicted cost of requests sent here, not finished
         self.in_flight = 0
@@ -114,7 +116,7 @@ class PipelineLink:
     def report(self, r: coordinator_pb2.LoadReport) -> None:
         if not r.serving:
             serving, why = False, f"coordinator not serving: {r.status or 'no reason given'}"
-        elif r.model_fingerprint != self.fingerprint:
+        elif numerics.model_part(r.model_fingerprint) != self.fingerprint:
             # its tokenizer and receipts would not match ours: routing there would give wrong answers
             serving, why = False, f"coordinator serves model {r.model_fingerprint}, admission loaded {self.fingerprint}"
         else:
@@ -127,6 +129,8 @@ class PipelineLink:
         self.slots_per_step = r.max_batch_slots or settings.MAX_BATCH_SLOTS
         self.tokens_per_step = r.max_batch_tokens or settings.MAX_BATCH_TOKENS
         self.reason = why
+        # what this pipeline's receipts name: the model and the numerics its stages chose (tether/model/numerics.py)
+        self.served_fingerprint = r.model_fingerprint if serving else ""
 
     def down(self, why: str) -> None:
         self.load = dataclasses.replace(self.load, serving=False)

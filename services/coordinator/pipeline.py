@@ -52,6 +52,11 @@ class Pipeline:
         self._release_task: asyncio.Task | None = None
 
     @property
+    def served_dtype(self) -> str:
+        """What the handshaken stages run (all the same: they refuse a mix); "" before a handshake."""
+        return self.stages[0].dtype if self.stages else self.dtype
+
+    @property
     def num_stages(self) -> int:
         return len(self.addresses)
 

@@ -62,9 +62,10 @@ class Bench:
             errors = "; ".join(f"{r.error_code}: {r.error}" for r in run.records[:3])
             raise SystemExit(f"tether bench: every warm-up request to {self.target} failed ({errors})")
         served = done[0].model_fingerprint
-        if served != self.lm.fingerprint:
+        if served != self.lm.served_fingerprint:   # the model and its dtype: the audit compares like with like
             raise SystemExit(f"tether bench: the cluster at {self.target} serves model {served}, but --model "
-                             f"{self.options.model} is {self.lm.fingerprint}; pass the served model with --model")
+                             f"{self.options.model} is {self.lm.served_fingerprint} here; pass the served model "
+                             f"with --model (and the dtype its stages run with --dtype)")
 
     async def run_levels(self, after_warm_up: Callable[[], None] | None = None) -> list[LevelResult]:
         """Warm up, call `after_warm_up` (chaos against --target reads the cluster's counters there), then run

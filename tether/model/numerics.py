@@ -38,6 +38,17 @@ def name_of(dtype: torch.dtype) -> str:
     return next(name for name, t in DTYPES.items() if t == dtype)
 
 
+def served_fingerprint(model_fingerprint: str, dtype: str) -> str:
+    """The fingerprint a receipt names and admission checks: the model's and the numerics it is computed in
+    (the same weights in bfloat16 and float32 give different logits, so different answers)."""
+    return f"{model_fingerprint}-{dtype}"
+
+
+def model_part(served: str) -> str:
+    """The model's own fingerprint in a `served_fingerprint` (what admission compares with its folder's)."""
+    return served.rsplit("-", 1)[0]
+
+
 def choose_dtype(flags: Iterable[str], bf16_invariant: Callable[[], bool]) -> str:
     """The `auto` rule: bfloat16 when the CPU has native bf16 and the probe (called only then) finds the
     unpadded bf16 kernels invariant; float32 (padded) otherwise."""

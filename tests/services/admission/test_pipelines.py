@@ -54,6 +54,15 @@ def test_a_link_serves_only_its_model_and_only_while_reported_serving():
     assert not p.ready()[0] and "recovering: stage down" in p.ready()[1]
 
 
+def test_a_link_names_the_numerics_its_coordinator_reports_in_receipts():
+    p = make(1)
+    (link,) = p.links.values()
+    link.report(report(model_fingerprint="fp-bfloat16"))   # the model's fingerprint and the stages' dtype
+    assert link.serving and link.served_fingerprint == "fp-bfloat16"
+    link.report(report(model_fingerprint="other-bfloat16"))
+    assert not link.serving and link.served_fingerprint == ""
+
+
 def test_choose_spreads_by_predicted_cost_and_counts_outstanding_work():
     p = make(2)
     for link in p.links.values():

@@ -9,6 +9,7 @@ import pytest
 
 from tether import reference
 from tether.client import AsyncClient, Client
+from tether.model import numerics
 
 PROMPTS = [
     "请用不超过50字向老人解释血糖仪读数",
@@ -72,6 +73,10 @@ def test_receipt_and_tags(cluster):
         r = client.generate(prompt, max_tokens=400)
     assert r.receipt.prompt_tokens == len(prompt.encode())        # byte-level tokenizer
     assert r.receipt.output_tokens == len(r.token_ids)
+    # the model and the numerics the stages chose (--dtype auto), as the reference names them on this machine
+    lm = reference.load("tiny")
+    assert r.receipt.model_fingerprint == lm.served_fingerprint == reference.generate(prompt).receipt.model_fingerprint
+    assert r.receipt.model_fingerprint.endswith("-" + numerics.name_of(lm.model.dtype))
     assert r.tags["language"] == "zh"
     assert r.tags["length_limit"] == 50 and r.tags["length_unit"] == "chars"
     assert r.tags["domain"] == "medical" and r.tags["audience"] == "elderly"
