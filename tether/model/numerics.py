@@ -95,7 +95,7 @@ def _attention_invariant(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[in
     values = torch.randn(pairs, kvh, block, d, generator=g).to(dtype)
 
     def piece(qq: torch.Tensor) -> torch.Tensor:
-        n, h = qq.shape[0], qq.shape[2]
+        n = qq.shape[0]
         s = torch.matmul(qq * d ** -0.5, keys[:n].mT)
         p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
         return torch.matmul(p, values[:n]) / p.sum(-1, keepdim=True)
@@ -129,8 +129,11 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> bool:
                (h, cfg.intermediate_size), (cfg.intermediate_size, h), (h, cfg.vocab_size)}
     norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
     cos, sin = rand(rows, 1, d), rand(rows, 1, d)
+    def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: F.linear(x, w)
+
     checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
-        (lambda x, w=rand(o, i): F.linear(x, w), rand(rows, i)) for i, o in sorted(linears)]
+        (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
     checks += [
         (norm, rand(rows, h) * 20),
         (lambda x: x * cos[:x.shape[0]] + rotate_half(x) * sin[:x.shape[0]], rand(rows, cfg.num_attention_heads, d)),
@@ -139,8 +142,10 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> bool:
     try:
         with torch.inference_mode():
             torch.set_num_threads(1)
-            return (all(_rows_invariant(op, x, threads) for op, x in checks)
-                    and (torch.set_num_threads(1) or _attention_invariant(cfg, dtype, threads, block)))
+            if not all(_rows_invariant(op, x, threads) for op, x in checks):
+                return False
+            torch.set_num_threads(1)
+            return _attention_invariant(cfg, dtype, threads, block)
     finally:
         torch.set_num_threads(before)
 
