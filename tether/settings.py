@@ -48,6 +48,15 @@ TAG_BUDGET_S = 2.0             # tokenizing + tagging one prompt, off the event 
 TAG_WORKERS = 1                # processes that tokenize and tag large requests: at most one core of CPU goes to
                                # the front door, the rest to serving (services/admission/front_work.py)
 TAG_INLINE_BYTES = 1024        # requests up to this size are tagged at once on the loop (< 1 ms): no queue
+# The tag workers' queue (front_work.py): waiting jobs are taken one tenant at a time; waiting is overload
+# (RESOURCE_EXHAUSTED + RetryInfo), never the prompt's fault, and never counted in TAG_BUDGET_S.
+TAG_QUEUE_PER_TENANT = 4       # jobs one tenant may have waiting; past it, its next one is refused at once
+TAG_QUEUE_MAX = 64             # jobs waiting in all
+TAG_QUEUE_WAIT_S = 2.0         # a job not started by then is refused (RESOURCE_EXHAUSTED)
+# Fair share of the concurrency cap (services/admission/limits.py ConcurrencyShares): once more than this share
+# of the cap is in flight, each tenant wanting slots may hold at most an equal part of the cap.
+FAIR_SHARE_CONTENDED = 0.5
+FAIR_SHARE_WINDOW_S = 5.0      # a tenant refused a slot still counts as wanting one for this long
 
 # Coordinator batching.
 MAX_BATCH_SLOTS = 32        # requests per micro-batch

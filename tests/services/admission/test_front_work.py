@@ -10,7 +10,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
-from services.admission.front_work import FrontWork, admit, model_limits
+from services.admission.front_work import Busy, FrontWork, WorkQueue, admit, model_limits
 from tether.model.loader import resolve_model
 from tether.v1 import admission_pb2, common_pb2
 
@@ -55,3 +55,66 @@ def test_a_dead_worker_fails_its_request_and_the_next_one_is_served(work):
 
 async def _worker_pid(work: FrontWork) -> int:
     return await asyncio.wrap_future(work.pool.submit(os.getpid))
+
+
+# ---- the workers' queue: one job per worker, the rest waiting round robin by tenant account -----------------
+
+def test_the_queue_serves_accounts_round_robin_and_bounds_each():
+    q = WorkQueue(per_account=3, max_waiting=5)
+    assert [q.push("flood", f"f{i}") for i in range(3)] == [None] * 3
+    assert "already has 3 requests waiting" in q.push("flood", "f3")
+    assert q.push("other", "o0") is None and q.push("third", "t0") is None
+    assert "have 5 requests waiting" in q.push("fourth", "x")
+    assert [q.pop() for _ in range(5)] == ["f0", "o0", "t0", "f1", "f2"]
+    assert q.pop() is None and q.waiting == 0
+    q.push("a", "a0")
+    assert q.remove("a", "a0") and not q.remove("a", "a0") and q.by_account == {}
+
+
+async def _hold_the_worker(work: FrontWork) -> None:
+    await work._turn("holder")   # as a job on the only worker would
+
+
+def test_waiting_for_a_worker_is_not_counted_in_the_budget(work):
+    """Jobs queued behind a busy worker for longer than their budget are still served, in round-robin order:
+    the flooding account's four jobs do not hold the other account's one back more than one job."""
+    async def scenario():
+        await _hold_the_worker(work)
+        done: list[str] = []
+
+        async def one(account: str, name: str):
+            await work.run(req(f"{name} " * 60), 1.0, account)
+            done.append(name)
+
+        tasks = []
+        for account, name in [("flood", "f1"), ("flood", "f2"), ("flood", "f3"), ("flood", "f4"), ("other", "o1")]:
+            tasks.append(asyncio.create_task(one(account, name)))
+            await asyncio.sleep(0)                    # each task reaches the queue in this order
+        assert work.queue.waiting == 5
+        await asyncio.sleep(1.5)                      # the worker stays busy past every job's budget
+        work._finished()                              # ... then frees
+        await asyncio.gather(*tasks)
+        return done
+
+    assert asyncio.run(scenario()) == ["f1", "o1", "f2", "f3", "f4"]
+    assert work.busy == 0 and work.queue.waiting == 0
+
+
+def test_a_job_that_finds_no_worker_in_time_or_no_room_is_busy_not_invalid(work, monkeypatch):
+    monkeypatch.setattr(work, "queue_wait_s", 0.3)
+    monkeypatch.setattr(work, "queue", WorkQueue(per_account=1, max_waiting=8))
+
+    async def scenario():
+        await _hold_the_worker(work)
+        waiting = asyncio.create_task(work.run(req("z" * 200), 30, "flood"))
+        await asyncio.sleep(0)
+        with pytest.raises(Busy, match="already has 1 requests waiting"):   # its second: refused at once
+            await work.run(req("z" * 200), 30, "flood")
+        with pytest.raises(Busy, match="no tokenizer worker of admission was free within 0.3 s") as e:
+            await waiting
+        assert e.value.retry_after_s > 0
+        work._finished()
+
+    asyncio.run(scenario())
+    assert work.busy == 0 and work.queue.waiting == 0
+    assert asyncio.run(work.run(req("z" * 200), 30, "flood"))[0].prompt_token_ids   # the worker is free again
