@@ -2,12 +2,14 @@
 limit, route to a pipeline, stream back with a receipt. A refusal or failure is a `Rejected` (status.py), which
 each face puts in its own wire form; what happens to each request is reported through its `Outcome`.
 
-Order of work per request, cheapest refusal first: the caller's API key once any is configured (auth.py:
-UNAUTHENTICATED; PERMISSION_DENIED for a tenant or priority the key may not use), readiness (UNAVAILABLE while
-no pipeline serves our model), the concurrency slot (RESOURCE_EXHAUSTED + RetryInfo), then tokenizing and
-tagging (large requests in worker processes, within a time budget: front_work.py; INVALID_ARGUMENT), the
-caller's label (ALREADY_EXISTS while the same tenant has it in flight), the tenant's rate limits and shedding
-by priority (limits.py; RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py:
+Order of work per request, cheapest refusal first, and no work for a tenant before its limits are checked:
+the caller's API key once any is configured (auth.py: UNAUTHENTICATED; PERMISSION_DENIED for a tenant or
+priority the key may not use), readiness (UNAVAILABLE while no pipeline serves our model), the tenant's request
+rate and a concurrency slot within its fair share of the cap (limits.py; RESOURCE_EXHAUSTED + RetryInfo), then
+tokenizing and tagging (large requests in worker processes, one tenant's queue at a time: front_work.py; a wait
+for a worker is RESOURCE_EXHAUSTED + RetryInfo, only the prompt's own time past the budget INVALID_ARGUMENT),
+the caller's label (ALREADY_EXISTS while the same tenant has it in flight), shedding by priority and the
+tenant's token rate (limits.py; RESOURCE_EXHAUSTED + RetryInfo), the choice of a pipeline (pipelines.py, routing.py:
 UNAVAILABLE + RetryInfo while every pipeline that could take it is down or its breaker open; RESOURCE_EXHAUSTED
 when none would start it before its deadline), and only then that pipeline's coordinator. Every request gets an
 internal id minted here; the caller's `request_id` is a label, echoed in the receipt and never a key downstream.
@@ -26,8 +28,8 @@ from contextlib import aclosing, asynccontextmanager
 import grpc
 
 from services.admission.auth import ApiKeys, AuthError, Principal, authorize
-from services.admission.front_work import FrontWork, admit
-from services.admission.limits import Refusal, TenantLimits, shed_by_priority
+from services.admission.front_work import Busy, FrontWork, admit
+from services.admission.limits import ConcurrencyShares, Refusal, TenantLimits, shed_by_priority
 from services.admission.outcome import Admitted, Call, Outcome
 from services.admission.pipelines import Pipelines, Routed, Refused, routing_key
 from services.admission.routing import RouteRequest
@@ -47,25 +49,6 @@ log = logging.getLogger("services.admission.server")   # the logger name of thes
 Event = tuple[coordinator_pb2.TokenEvent, common_pb2.Receipt | None]   # a token, with the receipt on the last
 
 
-class ConcurrencyLimit:
-    """A non-blocking cap: a request over it is refused at once, never queued, never a hang (docs/PROTOCOL.md
-    "Limits, lifetimes and supervision")."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    def try_acquire(self) -> bool:
-        # No lock: the asyncio loop runs this check-and-increment without interleaving.
-        if self.active >= self.limit:
-            return False
-        self.active += 1
-        return True
-
-    def release(self) -> None:
-        self.active -= 1
-
-
 class FrontDoor:
     """Admission's state and its admit path: `handle` one generate request, `tag` one tag request."""
 
@@ -80,7 +63,9 @@ class FrontDoor:
         self.api_keys = api_keys or ApiKeys()                  # no key configured: the body's tenant stands
         self.model = model
         self.model_fingerprint = model_fingerprint
-        self.limit = ConcurrencyLimit(max_concurrent)
+        # The global cap, shared fairly between tenants (their own max_concurrent from the tenants file).
+        self.limit = ConcurrencyShares(max_concurrent,
+                                       lambda account: self.tenant_limits.limit_of(account).max_concurrent)
         self.max_lifetime_s = max_lifetime_s
         self.tag_budget_s = tag_budget_s
         # Tokenizing and tagging large requests are CPU work: in worker processes, never on the event loop,
@@ -109,16 +94,16 @@ class FrontDoor:
         a: Admitted | None = None
         error: BaseException | None = None
         try:
-            principal = await self._enter(outcome, call)
+            account = self._enter(outcome, call, request)
             try:
-                a = await self._admit(request, outcome, principal=principal)
+                a = await self._admit(request, outcome, account)
                 routed = await self._route(a, call, outcome)
                 # aclosing: when the face's task is cancelled (disconnect, deadline) while it waits to send, the
                 # inner generator must close now, cancelling the coordinator call, not whenever it is collected.
                 async with aclosing(self._generate(request, a, routed, call, outcome, arrived)) as events:
                     yield a, routed, events
             finally:
-                self._done(a)
+                self._done(a, account)
         except BaseException as e:
             error = e
             raise
@@ -126,24 +111,38 @@ class FrontDoor:
             outcome.close(error)
 
     async def tag(self, call: Call, request: admission_pb2.GenerateRequest) -> Tags:
-        """The tags `request` would get (the same checks and CPU work as a request: the same cap)."""
+        """The tags `request` would get: the same checks, limits and CPU work as a request (but readiness)."""
         outcome = Outcome(self.metrics)
-        principal = self._authenticate(call, outcome)
-        self._acquire(outcome)
+        account = self._enter_tenant(outcome, request, self._authenticate(call, outcome))
         try:
-            return (await self._admit(request, outcome, take_label=False, principal=principal)).tags
+            return (await self._admit(request, outcome, account, take_label=False)).tags
         finally:
-            self.limit.release()
+            self.limit.release(account)
 
     # ---- steps ------------------------------------------------------------------------------------------
 
-    async def _enter(self, outcome: Outcome, call: Call) -> Principal | None:
-        """The caller's key, readiness, then a concurrency slot: the caller's principal (None while no key is
-        configured)."""
+    def _enter(self, outcome: Outcome, call: Call, request: admission_pb2.GenerateRequest) -> str:
+        """The caller's key, readiness, then the tenant's rate and a concurrency slot: the account holding it."""
         principal = self._authenticate(call, outcome)
         self._check_ready(outcome)
-        self._acquire(outcome)
-        return principal
+        return self._enter_tenant(outcome, request, principal)
+
+    def _enter_tenant(self, outcome: Outcome, request: admission_pb2.GenerateRequest,
+                      principal: Principal | None) -> str:
+        """Before any work: the key's tenant and priorities (with a principal), the tenant's request rate, then a
+        slot within its share of the cap (RESOURCE_EXHAUSTED + RetryInfo). The account the slot is held by."""
+        if principal is not None:
+            self._authorize(request, principal, outcome)
+        refusal = self.tenant_limits.admit(request.tenant)
+        if refusal is not None:
+            self._refuse(outcome, "tenant_limit", grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
+                         refusal.retry_after_s)
+        account = self.tenant_limits.account(request.tenant)
+        refusal = self.limit.acquire(account, request.tenant)
+        if refusal is not None:
+            self._refuse(outcome, refusal.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
+                         refusal.retry_after_s)
+        return account
 
     def _authenticate(self, call: Call, outcome: Outcome) -> Principal | None:
         """The caller's principal from its API key, or UNAUTHENTICATED; None (anyone) while no key is configured.
@@ -177,18 +176,18 @@ class FrontDoor:
             self._refuse(outcome, "not_ready", grpc.StatusCode.UNAVAILABLE,
                          f"admission is not ready: {self.not_ready_reason}")
 
-    async def _admit(self, request: admission_pb2.GenerateRequest, outcome: Outcome, take_label: bool = True,
-                     principal: Principal | None = None) -> Admitted:
-        """The key's tenant and priorities (with a principal), then tokenize, validate and tag; mint the internal
-        id; take the caller's label (released by `_done`)."""
+    async def _admit(self, request: admission_pb2.GenerateRequest, outcome: Outcome, account: str,
+                     take_label: bool = True) -> Admitted:
+        """Tokenize, validate and tag (large requests in `account`'s turn for a worker); mint the internal id;
+        take the caller's label (released by `_done`)."""
         started = time.time_ns()
-        if principal is not None:
-            self._authorize(request, principal, outcome)
         try:
             if self.work is None or self.work.is_inline(request):
                 valid, tags = admit(request, self.model)   # small: cheaper now than shipped (< 1 ms)
             else:
-                valid, tags = await self.work.run(request, self.tag_budget_s)
+                valid, tags = await self.work.run(request, self.tag_budget_s, account)
+        except Busy as e:          # waiting behind others is overload, never the prompt's fault
+            self._refuse(outcome, "tag_queue", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s)
         except ValueError as e:  # ValidationError, or the tagger refusing the sizes it was given
             self._refuse(outcome, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
@@ -213,21 +212,13 @@ class FrontDoor:
             self.labels[key] = a.internal_id   # checked and taken with no await between
         return a
 
-    def _done(self, a: Admitted | None) -> None:
+    def _done(self, a: Admitted | None, account: str) -> None:
         """The request ended, however: free its concurrency slot and its caller label."""
-        self.limit.release()
+        self.limit.release(account)
         if a is not None and a.valid.request_id:
             key = (a.valid.tenant, a.valid.request_id)
             if self.labels.get(key) == a.internal_id:
                 del self.labels[key]
-
-    def _acquire(self, outcome: Outcome) -> None:
-        """Take a slot under the concurrency cap, or refuse with RESOURCE_EXHAUSTED and a RetryInfo delay."""
-        if self.limit.try_acquire():
-            return
-        self._refuse(outcome, "overload", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                     f"admission is at its limit of {self.limit.limit} concurrent requests; "
-                     f"retry in {settings.OVERLOAD_RETRY_AFTER_S:g} s", settings.OVERLOAD_RETRY_AFTER_S)
 
     async def _route(self, a: Admitted, call: Call, outcome: Outcome) -> Routed:
         """The tenant's limits, shedding by priority, then a pipeline: or a refusal with RetryInfo."""
@@ -242,11 +233,11 @@ class FrontDoor:
 
     def _choose(self, a: Admitted, call: Call, outcome: Outcome) -> Routed:
         valid, tags = a.valid, a.tags
-        refusal: Refusal | None = shed_by_priority(tags.priority, self.limit.active - 1, self.limit.limit)
+        refusal: Refusal | None = shed_by_priority(tags.priority, self.limit.active - 1, self.limit.cap)
         if refusal is not None:
             self._refuse(outcome, f"priority_{tags.priority}", grpc.StatusCode.RESOURCE_EXHAUSTED,
                          refusal.message, refusal.retry_after_s)
-        refusal = self.tenant_limits.check(valid.tenant, len(valid.prompt_token_ids) + tags.output_budget)
+        refusal = self.tenant_limits.charge(valid.tenant, len(valid.prompt_token_ids) + tags.output_budget)
         if refusal is not None:
             self._refuse(outcome, "tenant_limit", grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
                          refusal.retry_after_s)

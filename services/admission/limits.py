@@ -99,7 +99,7 @@ def describe(account: str, tenant: str) -> str:
     """The account, as a refusal names it to the caller of `tenant` (the subject of a singular verb)."""
     if account == ANONYMOUS:
         return (f"the account shared by every tenant the tenants file does not name (this request's: "
-                f"{tenant or '(default)'})")
+                f"{tenant[:64]!r})")
     return f"tenant {tenant or '(default)'}"
 
 

@@ -296,9 +296,11 @@ class AdmissionMetrics:
                                "dropped them: session_broken (the coordinator's stream broke), unavailable (it "
                                "answered UNAVAILABLE), handed_back (it was draining)", ["reason"], registry=registry)
         self.shed = Counter(PREFIX + "requests_shed", "Requests refused by admission before reaching a "
-                            "coordinator, by reason: overload (concurrency cap), priority_<priority> (shed near the "
-                            "cap), tenant_limit, route_<code> (no pipeline can take it), not_ready, invalid, "
-                            "tag_timeout, duplicate_label, worker_died, internal", ["reason"], registry=registry)
+                            "coordinator, by reason: overload (concurrency cap), fair_share (a tenant over its equal "
+                            "part of a contended cap), tenant_concurrency (its max_concurrent), priority_<priority> "
+                            "(shed near the cap), tenant_limit (its rates), tag_queue (no tokenizer worker free in "
+                            "time), route_<code> (no pipeline can take it), not_ready, invalid, tag_timeout, "
+                            "duplicate_label, worker_died, internal", ["reason"], registry=registry)
         self.auth_failures = Counter(PREFIX + "auth_failures", "Calls refused by admission's API-key check, by "
                                      "reason: missing, malformed, unknown_key (UNAUTHENTICATED), tenant, priority "
                                      "(PERMISSION_DENIED)", ["reason"], registry=registry)

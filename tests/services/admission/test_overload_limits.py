@@ -147,7 +147,8 @@ def test_no_fair_share_below_the_contended_level_and_a_tenants_own_limit():
     assert shares.acquire("a") is None and shares.acquire("b") is None
     assert shares.acquire("small") is None and shares.acquire("small") is None
     own = shares.acquire("small")
-    assert own is not None and own.reason == "tenant_concurrency" and "may have 2 requests in flight" in own.message
+    assert own is not None and own.reason == "tenant_concurrency"
+    assert "may have 2 requests in flight" in own.message
     for _ in range(3):                               # 7 in flight: contended, 3 wanting, each may hold 4
         assert shares.acquire("a") is None
     assert shares.acquire("a").reason == "fair_share"
