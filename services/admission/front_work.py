@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import cast
 
 from services.admission.tagger import Tags, classify_size, tag, tag_conversation
 from services.admission.validate import ModelLimits, ValidRequest, check_resume_budget, validate
@@ -200,8 +201,10 @@ class FrontWork:
         """`admit` in a worker process within `timeout_s` of its start there (TimeoutError past it), after its
         turn among `account`'s and other accounts' waiting jobs (Busy when it gets none); a dead worker restarts
         the pool and raises BrokenProcessPool for this request."""
-        await self._turn(account)
         pool = self.pool
+        assert pool is not None, "run() is for pooled work (is_inline() is True without a pool)"
+        await self._turn(account)
+        pool = self.pool or pool   # restarted while this job waited: the new one
         try:
             job = pool.submit(_admit_in_worker, request)
         except BaseException as e:
@@ -243,10 +246,10 @@ class FrontWork:
         """A worker is free (any thread): give it to the next waiting job."""
         with self._lock:
             self.busy -= 1
-            granted = []
+            granted: list[asyncio.Future] = []
             while self.busy < self.workers and (ticket := self.queue.pop()) is not None:
                 self.busy += 1
-                granted.append(ticket)
+                granted.append(cast(asyncio.Future, ticket))
         for ticket in granted:
             try:
                 ticket.get_loop().call_soon_threadsafe(self._grant, ticket)

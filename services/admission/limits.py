@@ -40,6 +40,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.admission.auth import AUTH_FIELDS
 from tether import settings
@@ -296,7 +297,7 @@ def _limit(section: dict, where: str, skip: frozenset[str] = frozenset(),
     unknown = set(section) - fields - skip
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}")
-    values: dict[str, float | int] = {}
+    values: dict[str, Any] = {}   # each field's own type: float, or int for max_concurrent
     for key, value in section.items():
         if key in skip:
             continue

@@ -101,7 +101,7 @@ class Tokenizer:
         merges with the template text before it exactly as in `encode`). Exception: a control token with
         lstrip/rstrip would swallow a message's adjacent whitespace in `encode`; here it does not.
         """
-        ids: list[int] = [self.bos_id] if self.add_bos else []
+        ids: list[int] = [self.bos_id] if self.add_bos and self.bos_id is not None else []
         run: list[str] = []   # text since the last control token
 
         def flush() -> None:

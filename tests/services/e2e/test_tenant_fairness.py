@@ -52,7 +52,7 @@ def lone_admission(tmp_path_factory):
     log = open(folder / "admission.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.admission", "--port", str(port), "--model", "tiny",
                              "--coordinator", f"127.0.0.1:{free_port()}", "--tenants", str(tenants),
-                             "--tag-workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+                             "--tag-workers", "1", "--http-port", "0"], stdout=log, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
 
     def answers() -> bool:
