@@ -26,7 +26,7 @@ def params(max_tokens: int = 64):
 
 @pytest.fixture(scope="module")
 def expected():
-    lm = reference.load("tiny")
+    lm = reference.load("tiny", dtype="float32")   # the stages here run float32 (conftest), whatever auto picks
     return {i: list(reference.generate_ids(lm, p, params(STEPS + 1)).output_ids) for i, p in enumerate(PROMPTS)}
 
 
