@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import os
 import platform
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client certificate, when admission requires one (default: $TETHER_TLS_CERT)")
     g.add_argument("--tls-key", metavar="PEM", default=None,
                    help="the private key of --tls-cert (default: $TETHER_TLS_KEY)")
+    g.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="the face the load goes through: admission's gRPC port, or its OpenAI-compatible HTTP API "
+                        "(streamed /v1/completions with the official openai client; same workloads, audit and "
+                        "report) (default: %(default)s)")
+    g.add_argument("--base-url", default=f"http://127.0.0.1:{settings.HTTP_PORT}/v1", metavar="URL",
+                   help="with --api openai: admission's OpenAI base URL (default: %(default)s; ignored with --spawn)")
     g.add_argument("--spawn", action="store_true",
                    help="start a local cluster (--model, --stages, --threads) for the run and stop it after")
     g.add_argument("--model", default=settings.DEFAULT_MODEL,
@@ -286,7 +293,8 @@ def options_of(args: argparse.Namespace) -> BenchOptions:
         audit=args.audit, quiet=args.quiet,
         credentials=Credentials(args.api_key, args.tls_ca, args.tls_cert, args.tls_key),
         capacity_start=args.rate or 1.0, baseline_requests=args.baseline_requests, batch_size=args.batch_size,
-        baseline_threads=args.baseline_threads or threads, repeats=args.repeats)
+        baseline_threads=args.baseline_threads or threads, repeats=args.repeats, api=args.api,
+        base_url=args.base_url)
 
 
 NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch (issue 11)
@@ -316,6 +324,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     spawn_only = [f for f, on in (("--no-prefix-cache", args.no_prefix_cache),
                                   ("--compare-prefix-cache", args.compare_prefix_cache),
                                   ("--stage-kv-tokens", args.stage_kv_tokens is not None)) if on]
+    if args.api == "openai" and (args.compare_prefix_cache or args.chaos is not None):
+        raise SystemExit("tether bench: --api openai drives the levels of one cluster; --compare-prefix-cache and "
+                         "--chaos run over gRPC")
     if spawn_only and not args.spawn:
         raise SystemExit(f"tether bench: {', '.join(spawn_only)} start(s) the cluster with a flag: needs --spawn")
     if args.compare_prefix_cache and args.no_prefix_cache:
@@ -536,8 +547,11 @@ def run_one(args: argparse.Namespace, options: BenchOptions, argv: list[str], lm
         before.update(chaos.read_stats(args.coordinator, args.stage_addresses))
 
     try:
+        if cluster is not None:
+            options = dataclasses.replace(options, base_url=cluster.base_url or "")
         rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
+        rep["meta"]["api"] = options.api if options.api == "grpc" else f"openai ({options.base_url})"
         bench = Bench(options, target, lm, workload, probe_of(args, cluster))
         capacity_found = None
         if args.find_capacity:

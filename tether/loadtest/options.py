@@ -45,3 +45,5 @@ class BenchOptions:
     batch_size: int = 1             # the baselines' batch size and the served side's concurrency
     baseline_threads: int = 1       # torch threads of the in-process baselines
     repeats: int = 1                # baseline runs per side
+    api: str = "grpc"               # the face the load goes through: grpc, or openai (the HTTP API at base_url)
+    base_url: str = ""              # with api "openai": admission's OpenAI base URL (http://HOST:PORT/v1)

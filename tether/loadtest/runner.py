@@ -35,7 +35,11 @@ class Bench:
 
     def client(self, target: str | None = None) -> AsyncClient:
         """A client of `target` (default: the run's) with the run's credentials and deadline, no retries; a
-        cluster without keys ignores the key."""
+        cluster without keys ignores the key. With --api openai, the same over the HTTP API (openai_stream.py)."""
+        if self.options.api == "openai" and target is None:
+            from tether.loadtest.openai_stream import OpenAIStreamClient
+            return OpenAIStreamClient(self.options.base_url, self.options.timeout_s,   # type: ignore[return-value]
+                                      self.options.credentials.api_key)
         return AsyncClient(target or self.target, timeout=self.options.timeout_s, retry=None,
                            **self.options.credentials.client_kwargs())
 

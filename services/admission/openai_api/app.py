@@ -144,22 +144,26 @@ async def _serve(door: FrontDoor, body: ChatCompletionRequest | CompletionReques
     tags = tags_proto(a.tags, routed)
     if not body.stream:
         text: list[str] = []
+        ids: list[int] = []
         try:
             async for event, receipt in events:
                 text.append(event.text)
+                ids.append(event.token_id)
                 if receipt is not None:
                     finish, last = event.finish_reason, receipt
         except BaseException as e:
             return await _refused(stack, e, headers["x-request-id"])
         await stack.aclose()
-        return JSONResponse(shape.answer("".join(text), finish, last, tether_object(a, tags, last)), headers=headers)
+        return JSONResponse(shape.answer("".join(text), finish, last, tether_object(a, tags, last, finish),
+                                         ids if body.return_token_ids else None), headers=headers)
     # Stream: the first event is awaited here, so a refusal before any token still gets its HTTP status.
     try:
         first = await anext(events)
     except BaseException as e:
         return await _refused(stack, e, headers["x-request-id"])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_sse(shape, a, tags, first, events, stack, include_usage), headers=headers,
+    return EventSourceResponse(_sse(shape, a, tags, first, events, stack, include_usage, body.return_token_ids),
+                               headers=headers,
                                sep="\n", ping=settings.HTTP_SSE_PING_S)
 
 
@@ -182,7 +186,7 @@ async def _refused(stack: AsyncExitStack, e: BaseException, request_id: str) -> 
 
 
 async def _sse(shape: Shape, a, tags, first, events: AsyncIterator, stack: AsyncExitStack,
-               include_usage: bool) -> AsyncIterator[dict]:
+               include_usage: bool, with_ids: bool) -> AsyncIterator[dict]:
     """The chunks of one streamed answer, as OpenAI sends them; the door's context closes however it ends."""
     def data(obj: dict) -> dict:
         return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
@@ -194,10 +198,11 @@ async def _sse(shape: Shape, a, tags, first, events: AsyncIterator, stack: Async
         while True:
             # A delta is one token's text as the coordinator's detokenizer completed it: whole characters only
             # (a token ending inside a UTF-8 sequence has "" until the character is complete), never split.
-            if event.text:
-                yield data(shape.chunk(event.text, with_usage=include_usage))
+            if event.text or with_ids:   # with ids, a token without text of its own still has its chunk
+                yield data(shape.chunk(event.text, with_usage=include_usage,
+                                       token_ids=[event.token_id] if with_ids else None))
             if receipt is not None:
-                tether = tether_object(a, tags, receipt)
+                tether = tether_object(a, tags, receipt, event.finish_reason)
                 yield data(shape.chunk(finish=event.finish_reason, with_usage=include_usage, tether=tether))
                 if include_usage:
                     yield data(shape.usage_chunk(receipt, tether))

@@ -4,7 +4,7 @@ Every field OpenAI defines that tether does not implement is declared here only 
 its neutral one (`n` other than 1, any tools, a response_format other than text, ...): a client that asks for
 something gets a 400 naming the field, never an answer that silently ignored it. A field OpenAI does not
 define at all is refused the same way (`extra="forbid"`), except tether's own: `priority`, `request_id`,
-`tenant` and `top_k`, which the official clients send through `extra_body`.
+`tenant`, `top_k`, `ignore_eos` and `return_token_ids`, which the official clients send through `extra_body`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class _Sampling(BaseModel):
     request_id: str | None = None
     tenant: str | None = None
     top_k: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False          # as vLLM's: keep generating past end-of-sequence (benchmarks' fixed lengths)
+    return_token_ids: bool = False    # as vLLM's: each choice / delta also carries its token ids (`tether bench`'s audit)
 
 
 class ChatCompletionRequest(_Sampling):

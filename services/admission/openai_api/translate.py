@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from services.admission.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from services.admission.outcome import Admitted
-from services.admission.status import Rejected
+from services.admission.status import FINISH_REASONS, Rejected
 from tether.v1 import admission_pb2, common_pb2
 
 # The fields OpenAI defines that tether does not implement: a value other than the neutral one is refused.
@@ -95,7 +95,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest, label: str
     sampling = common_pb2.SamplingParams(
         # OpenAI's default temperature is 1: sampling, with a seed admission draws (returned in `tether.seed`).
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p or 0.0, top_k=body.top_k or 0, seed=body.seed or 0)
+        top_p=body.top_p or 0.0, top_k=body.top_k or 0, seed=body.seed or 0, ignore_eos=body.ignore_eos)
     request = admission_pb2.GenerateRequest(sampling=sampling, tenant=body.tenant or "", priority=priority,
                                             request_id=label)
     sampling = request.sampling   # the constructor copied it: fill in the request's own
@@ -121,11 +121,14 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest, label: str
 
 # ---- responses ------------------------------------------------------------------------------------------
 
-def tether_object(a: Admitted, tags: common_pb2.IntentTags, receipt: common_pb2.Receipt | None) -> dict:
+def tether_object(a: Admitted, tags: common_pb2.IntentTags, receipt: common_pb2.Receipt | None,
+                  finish: int = 0) -> dict:
     """tether's own fields, riding along in `tether` (clients ignore what they do not know): the receipt
     (64-bit digests as 16 hex digits: JSON numbers lose them), the intent tags and the sampling seed used."""
     out: dict[str, Any] = {"internal_id": a.internal_id, "seed": a.valid.sampling.seed,
                            "tags": _tags_dict(tags)}
+    if finish:
+        out["finish_reason"] = FINISH_REASONS.get(finish, "unknown")   # tether's own: eos, stop, length, context
     if receipt is not None:
         out["receipt"] = {"request_id": receipt.request_id, "internal_id": receipt.internal_id,
                           "prompt_digest": f"{receipt.prompt_digest:016x}",
@@ -161,16 +164,19 @@ class Shape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def answer(self, text: str, finish: int, receipt: common_pb2.Receipt, tether: dict) -> dict:
+    def answer(self, text: str, finish: int, receipt: common_pb2.Receipt, tether: dict,
+               token_ids: list[int] | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": FINISH.get(finish, "stop")}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH.get(finish, "stop")}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {**self._base(False), "choices": [choice], "usage": usage(receipt), "tether": tether}
 
     def chunk(self, text: str | None = None, *, role: bool = False, finish: int | None = None,
-              with_usage: bool = False, tether: dict | None = None) -> dict:
+              with_usage: bool = False, tether: dict | None = None, token_ids: list[int] | None = None) -> dict:
         """A stream chunk: the role delta (chat's first), a content delta, or the finish chunk."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
@@ -179,6 +185,8 @@ class Shape:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": None}
         if finish is not None:
             choice["finish_reason"] = FINISH.get(finish, "stop")
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         out = {**self._base(True), "choices": [choice]}
         if with_usage:
             out["usage"] = None   # as OpenAI: every chunk but the last carries a null usage when it is asked for

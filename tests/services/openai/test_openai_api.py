@@ -107,6 +107,19 @@ def test_chat_and_completions_equal_the_reference(cluster, temperature, seed):
           prompt_digest(prompt.encode()))
 
 
+def test_return_token_ids_and_ignore_eos_give_the_served_ids(cluster):
+    """tether's extras (as vLLM's): the ids `tether bench --api openai` audits, streamed and not."""
+    prompt = "Once upon a time"
+    want = reference.generate(prompt, "tiny", max_tokens=12, ignore_eos=True, namespace="acme")
+    c = client(cluster)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids and r.tether["finish_reason"] == "length"
+    ids = [i for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            extra_body=extra) for i in ch.choices[0].model_extra.get("token_ids") or []]
+    assert ids == want.token_ids
+
+
 def test_64_concurrent_streamed_chats_each_exact(cluster):
     jobs = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(64)]   # each prompt 8 times
     refs = {p: chat_reference([{"role": "user", "content": p}], 16) for p in PROMPTS}
