@@ -194,9 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
         if cluster.base_url:
-            print(f"OpenAI-compatible API: base URL {cluster.base_url} (model {args.model!r}), e.g. "
+            name = os.path.basename(os.path.normpath(args.model)) or args.model   # admission's model id
+            print(f"OpenAI-compatible API: base URL {cluster.base_url} (model {name!r}), e.g. "
                   f"`curl {cluster.base_url}/chat/completions -H 'content-type: application/json' "
-                  f"-d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'`",
+                  f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'`",
                   flush=True)
         if cluster.tls:
             print(f"TLS: certificates in {cluster.tls_dir}; clients verify the server with its CA "
