@@ -14,7 +14,7 @@ import pytest
 
 from services.coordinator.driver import Driver, Failure
 from services.coordinator.scheduler import Request
-from tether import reference, supervise
+from tether import reference, settings, supervise
 from tether.generation.sequence import Sequence
 from tether.model.loader import load_model_tokenizer, load_slice, resolve_model
 from tether.protocol.hashing import hash_seed
@@ -27,7 +27,7 @@ PARAMS = reference.sampling_params(max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def slices():
     folder = resolve_model("tiny")
-    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+    return load_slice(folder, 0, 2, settings.DTYPE), load_slice(folder, 2, 4, settings.DTYPE)   # as the reference
 
 
 def stages_pipeline(kit, slices):

@@ -30,7 +30,7 @@ OTHER = [(3 * i + 7) % 250 + 1 for i in range(9)]
 @pytest.fixture(scope="module")
 def slices():
     folder = resolve_model("tiny")
-    return load_slice(folder, 0, 2), load_slice(folder, 2, 4)
+    return load_slice(folder, 0, 2, settings.DTYPE), load_slice(folder, 2, 4, settings.DTYPE)   # as the reference
 
 
 def seed() -> int:
