@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from services.stage_worker.downstream import Downstream
+from services.stage_worker.state import FrameView
 from services.stage_worker.worker import StepOutcome
 from tether.v1 import stage_pb2
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from services.stage_worker.server import StageServicer
 
 log = logging.getLogger(__name__)
-RejectReason = stage_pb2.RejectReason
 DONE = object()     # queued after the last reply: the handler returns and the stream ends OK
 OUT_BUFFER = 64     # replies queued per stream before the stream stops reading frames (backpressure)
 
@@ -104,15 +104,10 @@ class Relay:
             await self.fail(grpc.StatusCode.UNAVAILABLE, f"stage {self.svc.worker.index} failed: {e}")
 
     def _frame_checks(self, frame) -> StepOutcome | None:
-        """Frame-level checks of the stream (BAD_SEQUENCE, STALE_EPOCH)."""
-        w = self.svc.worker
-        seq_ok = w.state.in_sequence(frame.stream_seq, self.last_seq)
+        """The `stream` rows of the stage's checks (state.CHECKS: BAD_SEQUENCE, STALE_EPOCH)."""
+        view = FrameView(frame, last_seq=self.last_seq, pipeline_epoch=self.svc.pipeline_epoch)
         self.last_seq = max(self.last_seq, frame.stream_seq)
-        if not seq_ok:
-            return w.reject_all(frame, RejectReason.BAD_SEQUENCE, f"stream_seq {frame.stream_seq} is not the next one")
-        if frame.pipeline_epoch != self.svc.pipeline_epoch:
-            return w.reject_all(frame, RejectReason.STALE_EPOCH, "frame of another pipeline epoch")
-        return None
+        return self.svc.worker.refused("stream", view)
 
     async def _route(self, up_seq: int, outcome: StepOutcome) -> None:
         if outcome.forward is not None:

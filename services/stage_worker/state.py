@@ -2,19 +2,27 @@
 docs/ARCHITECTURE.md), including the prefix cache: a new state may start from cached blocks, each confirmed
 by its token ids.
 
+Every check is one row of `CHECKS`, in the order a frame meets them: its level (the relay walks the `stream`
+rows; the worker the `frame` rows, then per slot the `slot` and `state` rows), the RejectReason it answers
+with, its predicate, and whether the experiment-only UncheckedStageState (services/stage_worker/unchecked.py)
+skips it. A new reject reason is the proto's enum value plus one row here (and its row in docs/PROTOCOL.md's
+table, which tests/services/stage_worker/test_check_table.py holds to this one).
+
 Pure logic: no gRPC, no model. A slot is checked before anything touches its KV; a rejected slot leaves
-the stage exactly as it was. These are the serving checks, always on; the one class without them,
-experiment only, is services/stage_worker/unchecked.py.
+the stage exactly as it was.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tether.kv.blocks import BlockPool, NoCapacity, block_keys, extend_by_blocks
 from tether.kv.paged import PagedKV
+from tether.protocol import tensors
 from tether.protocol.hashing import ContextHasher, sampling_digest
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
@@ -78,10 +86,276 @@ class CachedBlock:
     parent: int                        # serial of the previous block's registration (0 for the first block)
 
 
+@dataclass
+class FrameView:
+    """A frame as its checks read it, with what the walker knows: the relay its stream's last sequence number
+    and the handshake's epoch; the worker the stamp key, its limits and its model's shape."""
+
+    frame: stage_pb2.Frame
+    last_seq: int = 0
+    pipeline_epoch: int = 0
+    key: StampKey | None = None
+    max_slots: int = 0
+    max_rows: int = 0
+    has_embedding: bool = False
+    has_head: bool = False
+    vocab: int = 0
+    hidden: int = 0
+    dtype: str = ""
+    activations: object = None                        # the decoded rows, left by the tensor check
+    seen: set[str] = field(default_factory=set)       # request ids met so far in the frame (the slot checks)
+
+    @cached_property
+    def rows(self) -> int:
+        """Activation rows the slots claim (after the cached-prefix check: never negative)."""
+        return sum(len(s.stamp.token_ids) - s.cached_prefix for s in self.frame.slots)
+
+
+@dataclass
+class SlotView:
+    """A slot as its checks read it: what the stage holds for its request, and what the checks found."""
+
+    slot: stage_pb2.Slot
+    frame: FrameView | None
+    held: RequestState | None           # what the stage holds for the request, any epoch
+    live: RequestState | None           # ... if the slot extends it (same epoch): None starts a new state
+    replaces: RequestState | None       # ... if the slot starts a newer epoch over it
+    blocks: list[int] = field(default_factory=list)   # cached blocks of the prefix, left by the prefix check
+
+    @classmethod
+    def of(cls, slot: stage_pb2.Slot, requests: dict[str, RequestState], frame: FrameView | None = None) -> "SlotView":
+        held = requests.get(slot.stamp.request_id)
+        if held is None or slot.stamp.epoch < held.epoch:
+            return cls(slot, frame, held, held, None)
+        if slot.stamp.epoch > held.epoch:
+            return cls(slot, frame, held, None, held)
+        return cls(slot, frame, held, held, None)
+
+    @cached_property
+    def base(self) -> ContextHasher:
+        """The chain the slot extends: the live state's, or a new one of the slot's seed."""
+        return self.live.hasher if self.live is not None else ContextHasher(self.slot.hash_seed)
+
+
+# --- the predicates: each returns the refusal's detail, or None when the check passes --------------------------
+def _in_sequence(state, v: FrameView) -> str | None:
+    if v.frame.stream_seq != v.last_seq + 1:
+        return f"stream_seq {v.frame.stream_seq} is not the next one"
+    return None
+
+
+def _this_pipeline_epoch(state, v: FrameView) -> str | None:
+    return None if v.frame.pipeline_epoch == v.pipeline_epoch else "frame of another pipeline epoch"
+
+
+def _rows_defined(state, v: FrameView) -> str | None:
+    # the one cached-prefix shape check: a slot whose rows would be ill-defined makes the whole frame untrusted
+    for s in v.frame.slots:
+        c = s.cached_prefix
+        if c and (c >= len(s.stamp.token_ids) or s.stamp.position != 0):
+            return f"slot with cached_prefix {c} of {len(s.stamp.token_ids)} tokens at position {s.stamp.position}"
+    return None
+
+
+def _limits_detail(v: FrameView) -> str:
+    return (f"frame of {len(v.frame.slots)} slots and {v.rows} rows; this stage takes at most {v.max_slots} slots "
+            f"and {v.max_rows} rows (advertised at handshake)")
+
+
+def _slots_within_limit(state, v: FrameView) -> str | None:
+    return _limits_detail(v) if len(v.frame.slots) > v.max_slots else None
+
+
+def _rows_within_limit(state, v: FrameView) -> str | None:
+    return _limits_detail(v) if v.rows > v.max_rows else None
+
+
+def _keyed(state, v: FrameView) -> str | None:
+    return None if v.key is not None else "no stamp key: this stage has not been handshaken"
+
+
+def _intact(state, v: FrameView) -> str | None:
+    """The payload digest binds these bytes to these slots' claims, in order (StampKey.frame_digest)."""
+    if v.key.frame_digest(v.frame.activations.data, v.frame.slots) == v.frame.payload_digest:
+        return None
+    return "payload digest does not bind these bytes to these slots"
+
+
+def _sound_tensor(state, v: FrameView) -> str | None:
+    if v.has_embedding or not v.frame.slots:      # the first stage embeds ids; a keep-alive carries no rows
+        return None
+    try:
+        v.activations = tensors.decode(v.frame.activations, rows=v.rows, width=v.hidden, dtype=v.dtype)
+    except tensors.BadTensor as e:
+        return f"activations: {e}"
+    return None
+
+
+def _ids_not_rows(state, v: FrameView) -> str | None:
+    if v.has_embedding and v.frame.HasField("activations") and v.frame.activations.data:
+        return "the first stage takes token ids, not activations"
+    return None
+
+
+def _authentic(state, v: SlotView) -> str | None:
+    # first, before anything reads the claim: only the coordinator holds this epoch's key
+    return None if v.frame.key.verify(v.slot) else "the stamp's MAC is not the pipeline key's over this slot"
+
+
+def _once(state, v: SlotView) -> str | None:
+    rid = v.slot.stamp.request_id
+    if rid in v.frame.seen:
+        return "request appears twice in one frame"
+    v.frame.seen.add(rid)
+    return None
+
+
+def _in_vocabulary(state, v: SlotView) -> str | None:
+    ids = v.slot.stamp.token_ids
+    if v.frame.has_embedding and ids and max(ids) >= v.frame.vocab:
+        # hashes can be consistent over any ids: this stage must not index its embedding with them
+        return f"token id {max(ids)} outside the vocabulary of {v.frame.vocab}"
+    return None
+
+
+def _sampling_matches(state, v: SlotView) -> str | None:
+    """The last stage samples with the parameters the stamp's (MAC-bound) digest names."""
+    if v.frame.has_head and v.slot.sample and sampling_digest(v.slot.sampling) != v.slot.stamp.sampling_digest:
+        return "the slot's sampling parameters do not match its stamp"
+    return None
+
+
+def _named(state, v: SlotView) -> str | None:
+    st = v.slot.stamp
+    return None if st.request_id and st.token_ids else "slot without request id or tokens"
+
+
+def _in_window(state, v: SlotView) -> str | None:
+    st = v.slot.stamp
+    if st.position + len(st.token_ids) > state.max_context:
+        return f"position {st.position}+{len(st.token_ids)} exceeds the context window {state.max_context}"
+    return None
+
+
+def _on_block_grid(state, v: SlotView) -> str | None:
+    c = v.slot.cached_prefix
+    if c and (not state.block or c % state.block):
+        return f"cached_prefix {c} must be a multiple of {state.block or 'the KV block'}"
+    return None
+
+
+def _not_older(state, v: SlotView) -> str | None:
+    e, held = v.slot.stamp.epoch, v.held
+    return f"epoch {e} is older than held epoch {held.epoch}" if held is not None and e < held.epoch else None
+
+
+def _new_epoch_at_zero(state, v: SlotView) -> str | None:
+    st = v.slot.stamp
+    if v.replaces is not None and st.position != 0:
+        return f"new epoch {st.epoch} must start at position 0, not {st.position}"
+    return None
+
+
+def _known(state, v: SlotView) -> str | None:
+    st = v.slot.stamp
+    if v.live is None and st.position != 0:
+        return f"no state for {st.request_id} but frame starts at position {st.position}"
+    return None
+
+
+def _no_gap(state, v: SlotView) -> str | None:
+    st = v.slot.stamp
+    if v.live is not None and st.position != v.live.length:
+        return f"frame starts at {st.position}, stage holds {v.live.length} tokens"
+    return None
+
+
+def _extends_held_chain(state, v: SlotView) -> str | None:
+    if v.base.seed != v.slot.hash_seed or v.base.value != v.slot.stamp.parent_hash:
+        return "parent hash differs from the context this stage holds"
+    return None
+
+
+def _reaches_context(state, v: SlotView) -> str | None:
+    if v.base.peek(v.slot.stamp.token_ids) != v.slot.stamp.context_hash:
+        return "context hash does not match parent hash + token ids"
+    return None
+
+
+def _kv_tagged(state, v: SlotView) -> str | None:
+    live = v.live
+    if live is not None and (live.kv.owner != v.slot.stamp.request_id or live.kv_tag != live.hasher.value):
+        return "KV buffers are tagged for another context"
+    return None
+
+
+def _prefix_starts_state(state, v: SlotView) -> str | None:
+    return "a cached prefix can only start a new state" if v.slot.cached_prefix and v.live is not None else None
+
+
+def _prefix_cached(state, v: SlotView) -> str | None:
+    if not v.slot.cached_prefix:
+        return None
+    try:
+        v.blocks = state._cached_blocks(v.slot.hash_seed, list(v.slot.stamp.token_ids), v.slot.cached_prefix)
+    except Rejected as e:
+        return e.detail
+    return None
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the stage's checks: a failed predicate rejects with `reason` (every slot of the frame at
+    the `stream` and `frame` levels, the one slot at `slot` and `state`)."""
+
+    level: str                                     # stream (the relay) | frame | slot (the worker) | state
+    reason: int                                    # a RejectReason
+    test: Callable[..., str | None]                # (StageState, FrameView | SlotView) -> detail, or None
+    unsafe_skips: bool                             # UncheckedStageState skips it (--unsafe-disable-stamp-checks)
+    refusal: str = ""                              # also counted in Stats.refusals under this name
+
+    @property
+    def name(self) -> str:
+        return self.test.__name__.lstrip("_")
+
+
+R = RejectReason
+LEVELS = ("stream", "frame", "slot", "state")
+# In the order a frame meets them. docs/PROTOCOL.md "What a stage checks before it touches any KV" lists the
+# same rows (held to this table by tests/services/stage_worker/test_check_table.py).
+CHECKS: tuple[Check, ...] = (
+    Check("stream", R.BAD_SEQUENCE, _in_sequence, True),
+    Check("stream", R.STALE_EPOCH, _this_pipeline_epoch, False),
+    Check("frame", R.BAD_FRAME, _rows_defined, False),
+    Check("frame", R.BAD_FRAME, _slots_within_limit, False, "FRAME_SLOTS"),
+    Check("frame", R.BAD_FRAME, _rows_within_limit, False, "FRAME_ROWS"),
+    Check("frame", R.STAMP_FORGED, _keyed, False),
+    Check("frame", R.DIGEST_MISMATCH, _intact, True),
+    Check("frame", R.BAD_TENSOR, _sound_tensor, False),
+    Check("frame", R.BAD_FRAME, _ids_not_rows, False),
+    Check("slot", R.STAMP_FORGED, _authentic, True),
+    Check("slot", R.BAD_FRAME, _once, False),
+    Check("slot", R.BAD_FRAME, _in_vocabulary, False),
+    Check("slot", R.BAD_FRAME, _sampling_matches, True),
+    Check("state", R.BAD_FRAME, _named, False),
+    Check("state", R.BAD_FRAME, _in_window, False),
+    Check("state", R.BAD_FRAME, _on_block_grid, False),
+    Check("state", R.STALE_EPOCH, _not_older, True),
+    Check("state", R.STALE_EPOCH, _new_epoch_at_zero, True),
+    Check("state", R.UNKNOWN_REQUEST, _known, True),
+    Check("state", R.POSITION_GAP, _no_gap, True),
+    Check("state", R.STATE_MISMATCH, _extends_held_chain, True),
+    Check("state", R.STATE_MISMATCH, _reaches_context, True),
+    Check("state", R.KV_TAG_MISMATCH, _kv_tagged, True),
+    Check("state", R.BAD_FRAME, _prefix_starts_state, True),
+    Check("state", R.PREFIX_MISS, _prefix_cached, True),
+)
+
+
 class StageState:
     """All requests' state on one stage, keyed by request id, and the checks every frame and slot pass."""
 
-    stamp_checks = True   # what Stats reports; False only in the experiment-only UncheckedStageState
+    stamp_checks = True   # False only in the experiment-only UncheckedStageState: the rows it skips are skipped
 
     def __init__(self, new_kv, max_context: int, pool: BlockPool | None = None, block: int = 0) -> None:
         self._new_kv = new_kv          # callable(owner: str) -> PagedKV
@@ -89,87 +363,45 @@ class StageState:
         self.requests: dict[str, RequestState] = {}
         self.pool = pool if block else None   # the prefix cache: the arena's block pool
         self.block = block
+        self.checks = {level: tuple(c for c in CHECKS if c.level == level and (self.stamp_checks or not c.unsafe_skips))
+                       for level in LEVELS}
 
-    # --- what a frame claims, checked before any state is looked at ------------------------------------------
-    def in_sequence(self, stream_seq: int, last_seq: int) -> bool:
-        """The frame is the next one on its stream (else BAD_SEQUENCE)."""
-        return stream_seq == last_seq + 1
-
-    def intact(self, frame: stage_pb2.Frame, key: StampKey) -> bool:
-        """The payload digest binds these activation bytes to these slots (else DIGEST_MISMATCH)."""
-        return key.frame_digest(frame.activations.data, frame.slots) == frame.payload_digest
-
-    def authentic(self, slot: stage_pb2.Slot, key: StampKey) -> bool:
-        """The stamp's MAC is the pipeline key's over this slot (else STAMP_FORGED): only the coordinator holds
-        this epoch's key."""
-        return key.verify(slot)
-
-    def sampling_matches(self, slot: stage_pb2.Slot) -> bool:
-        """The slot's sampling parameters are the ones its stamp's digest names (else BAD_FRAME)."""
-        return sampling_digest(slot.sampling) == slot.stamp.sampling_digest
+    def refusal(self, level: str, view: FrameView | SlotView) -> tuple[Check, str] | None:
+        """The first check of `level` that `view` fails, with its detail; None when it passes them all."""
+        for c in self.checks[level]:
+            detail = c.test(self, view)
+            if detail is not None:
+                return c, detail
+        return None
 
     def token_digest(self, slot: stage_pb2.Slot) -> int:
-        """The sampling digest a sampled token's hash binds: the stamp's (`sampling_matches` held on admission)."""
+        """The sampling digest a sampled token's hash binds: the stamp's (`_sampling_matches` held on admission)."""
         return slot.stamp.sampling_digest
 
     # --- one slot against the state this stage holds ----------------------------------------------------------
     def check(self, slot: stage_pb2.Slot) -> Admitted:
-        """A well-formed slot (BAD_FRAME) that extends the state held for its request (`_admit`); raise
-        Rejected, or return what to run and commit."""
-        self._well_formed(slot)
-        return self._admit(slot)
+        """The `state` checks of a slot (well-formed, and extending the state held for its request); raise
+        Rejected, or return what to run and commit (`_admit`)."""
+        view = SlotView.of(slot, self.requests)
+        found = self.refusal("state", view)
+        if found is not None:
+            raise Rejected(found[0].reason, found[1])
+        return self._admit(view)
 
-    def _well_formed(self, slot: stage_pb2.Slot) -> None:
-        st = slot.stamp
-        rid, n = st.request_id, len(st.token_ids)
-        if not rid or n == 0:
-            raise Rejected(RejectReason.BAD_FRAME, "slot without request id or tokens")
-        if st.position + n > self.max_context:
-            raise Rejected(RejectReason.BAD_FRAME, f"position {st.position}+{n} exceeds the context window {self.max_context}")
-        cached = slot.cached_prefix
-        if cached and (st.position != 0 or cached >= n or not self.block or cached % self.block):
-            raise Rejected(RejectReason.BAD_FRAME, f"cached_prefix {cached} must be a multiple of {self.block or 'the KV block'}"
-                                        f" below the slot's {n} tokens, at position 0")
-
-    def _admit(self, slot: stage_pb2.Slot) -> Admitted:
-        """The slot's stamp against the state held: STALE_EPOCH, UNKNOWN_REQUEST, POSITION_GAP, STATE_MISMATCH,
-        KV_TAG_MISMATCH, and for a cached prefix PREFIX_MISS."""
-        st, cached = slot.stamp, slot.cached_prefix
-        rid = st.request_id
-        held = self.requests.get(rid)
-        fresh = False
-        if held is not None and st.epoch < held.epoch:
-            raise Rejected(RejectReason.STALE_EPOCH, f"epoch {st.epoch} is older than held epoch {held.epoch}")
-        replaces = None
-        if held is not None and st.epoch > held.epoch:
-            if st.position != 0:
-                raise Rejected(RejectReason.STALE_EPOCH, f"new epoch {st.epoch} must start at position 0, not {st.position}")
-            replaces, held = held, None   # a rebuilt request replaces its old state (freed once the slot passes)
+    def _admit(self, v: SlotView) -> Admitted:
+        """The slot passed: the state it runs on (a new one unless it extends the live one; a replaced epoch's
+        state freed first, so the replay never needs room the old one holds: its full blocks stay cached)."""
+        st, rid = v.slot.stamp, v.slot.stamp.request_id
+        held, fresh = v.live, False
         if held is None:
-            if st.position != 0:
-                raise Rejected(RejectReason.UNKNOWN_REQUEST, f"no state for {rid} but frame starts at position {st.position}")
-            hasher = ContextHasher(slot.hash_seed)
+            hasher = ContextHasher(v.slot.hash_seed)
             held = RequestState(rid, st.epoch, hasher, self._new_kv(rid), hasher.value)
             fresh = True
-        elif st.position != held.length:
-            raise Rejected(RejectReason.POSITION_GAP, f"frame starts at {st.position}, stage holds {held.length} tokens")
-        if held.hasher.seed != slot.hash_seed or held.hasher.value != st.parent_hash:
-            raise Rejected(RejectReason.STATE_MISMATCH, "parent hash differs from the context this stage holds")
-        if held.hasher.peek(st.token_ids) != st.context_hash:
-            raise Rejected(RejectReason.STATE_MISMATCH, "context hash does not match parent hash + token ids")
-        if held.kv.owner != rid or held.kv_tag != held.hasher.value:
-            raise Rejected(RejectReason.KV_TAG_MISMATCH, "KV buffers are tagged for another context")
-        ids = list(st.token_ids)
-        if cached and not fresh:
-            raise Rejected(RejectReason.BAD_FRAME, "a cached prefix can only start a new state")
-        blocks = self._cached_blocks(slot.hash_seed, ids, cached) if cached else []
-        if replaces is not None:
-            # The replay must not need room the old epoch's blocks hold (the coordinator's ledger counts
-            # them freed); its full blocks stay cached.
+        if v.replaces is not None:
             self.release([rid])
-        if blocks:
-            held.kv.attach(blocks)
-        return Admitted(held, st.position, ids, st.context_hash, fresh, cached)
+        if v.blocks:
+            held.kv.attach(v.blocks)
+        return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh, v.slot.cached_prefix)
 
     def _cached_blocks(self, seed: int, ids: list[int], cached: int) -> list[int]:
         """The cached blocks holding the first `cached` of `ids`, every one confirmed (seed, token ids, and

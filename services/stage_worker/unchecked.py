@@ -1,19 +1,20 @@
 """The stage without its stamp checks: EXPERIMENT ONLY, never in serving (--unsafe-disable-stamp-checks).
 
 It exists to reproduce what a pipeline without stamps does under faults (tests/services/e2e/test_chaos.py and
-`tether bench --chaos` show the wrong answers the checks prevent): no stream sequence, no payload digest, no MAC,
-no sampling digest, and no check of a slot against the state held: position 0 starts over, anything else runs
-on whatever state the stage holds for that id (fresh, zero state when it holds none). Only the well-formedness
-checks stay (BAD_FRAME), so that nothing raises. No prefix cache: a cache is only as good as the checks that
-fill it. The worker picks this class once, when it is built (services/stage_worker/worker.py).
+`tether bench --chaos` show the wrong answers the checks prevent). It skips every row of the stage's checks
+(services/stage_worker/state.py `CHECKS`) marked `unsafe_skips`: no stream sequence, no payload digest, no MAC,
+no sampling digest, and no check of a slot against the state held. Instead position 0 starts over, anything
+else runs on whatever state the stage holds for that id (fresh, zero state when it holds none). The other rows
+stay (the well-formedness BAD_FRAME checks among them), so that nothing raises. No prefix cache: a cache is only
+as good as the checks that fill it. The worker picks this class once, when it is built
+(services/stage_worker/worker.py).
 """
 
 from __future__ import annotations
 
-from services.stage_worker.state import Admitted, RequestState, StageState
+from services.stage_worker.state import Admitted, RequestState, SlotView, StageState
 from tether.kv.blocks import BlockPool
 from tether.protocol.hashing import ContextHasher, sampling_digest
-from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
 
@@ -23,27 +24,15 @@ class UncheckedStageState(StageState):
     def __init__(self, new_kv, max_context: int, pool: BlockPool | None = None, block: int = 0) -> None:
         super().__init__(new_kv, max_context, None, block)   # no prefix cache
 
-    def in_sequence(self, stream_seq: int, last_seq: int) -> bool:
-        return True    # frames are taken in whatever order they come
-
-    def intact(self, frame: stage_pb2.Frame, key: StampKey) -> bool:
-        return True
-
-    def authentic(self, slot: stage_pb2.Slot, key: StampKey) -> bool:
-        return True
-
-    def sampling_matches(self, slot: stage_pb2.Slot) -> bool:
-        return True
-
     def token_digest(self, slot: stage_pb2.Slot) -> int:
         return sampling_digest(slot.sampling)   # the parameters actually used: the stamp's was never checked
 
-    def _admit(self, slot: stage_pb2.Slot) -> Admitted:
-        st = slot.stamp
-        held = self.requests.get(st.request_id)
+    def _admit(self, v: SlotView) -> Admitted:
+        st = v.slot.stamp
+        held = v.held
         fresh = held is None or st.position == 0
         if fresh:
-            hasher = ContextHasher(slot.hash_seed)
+            hasher = ContextHasher(v.slot.hash_seed)
             held = RequestState(st.request_id, st.epoch, hasher, self._new_kv(st.request_id), hasher.value)
         return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
 

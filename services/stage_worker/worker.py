@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.stage_worker.state import Admitted, Rejected, StageState
+from services.stage_worker.state import Admitted, FrameView, Rejected, SlotView, StageState
 from services.stage_worker.unchecked import UncheckedStageState
 from tether import settings
 from tether.generation import sampler
@@ -98,8 +98,8 @@ class StageWorker:
         return StepOutcome([self.reject(s, reason, detail) for s in frame.slots])
 
     def process(self, frame: stage_pb2.Frame) -> StepOutcome:
-        """The frame's checks (BAD_FRAME limits, STAMP_FORGED without a key, DIGEST_MISMATCH, BAD_TENSOR), then
-        each slot's (`_admit_slots`), then run what passed."""
+        """The frame's checks (the `frame` rows of state.CHECKS), then each slot's (`_admit_slots`), then run
+        what passed."""
         if not frame.slots:
             return self._process(frame)
         t0 = time.perf_counter()
@@ -109,42 +109,35 @@ class StageWorker:
             self.busy_seconds += time.perf_counter() - t0
             self.steps += 1
 
+    def refused(self, level: str, view: FrameView) -> StepOutcome | None:
+        """Walk the `stream` (the relay) or `frame` rows of the stage's checks (state.CHECKS); the first that
+        fails rejects every slot of the frame."""
+        found = self.state.refusal(level, view)
+        if found is None:
+            return None
+        check, detail = found
+        if check.refusal:
+            self.refusals[check.refusal] += 1
+        return self.reject_all(view.frame, check.reason, detail)
+
     def _process(self, frame: stage_pb2.Frame) -> StepOutcome:
-        for s in frame.slots:
-            c = s.cached_prefix
-            if c and (c >= len(s.stamp.token_ids) or s.stamp.position != 0):
-                # the slot's activation rows would be ill-defined: nothing in this frame can be trusted
-                return self.reject_all(frame, RejectReason.BAD_FRAME, f"slot with cached_prefix {c} of "
-                                                           f"{len(s.stamp.token_ids)} tokens at position "
-                                                           f"{s.stamp.position}")
-        rows = sum(len(s.stamp.token_ids) - s.cached_prefix for s in frame.slots)
-        if len(frame.slots) > self.limits.max_slots or rows > self.limits.max_rows:
-            self.refusals["FRAME_SLOTS" if len(frame.slots) > self.limits.max_slots else "FRAME_ROWS"] += 1
-            return self.reject_all(frame, RejectReason.BAD_FRAME, f"frame of {len(frame.slots)} slots and {rows} rows; this "
-                                                       f"stage takes at most {self.limits.max_slots} slots and "
-                                                       f"{self.limits.max_rows} rows (advertised at handshake)")
-        key = self.stamp_key
-        if key is None:
-            return self.reject_all(frame, RejectReason.STAMP_FORGED, "no stamp key: this stage has not been handshaken")
-        if not self.state.intact(frame, key):
-            return self.reject_all(frame, RejectReason.DIGEST_MISMATCH, "payload digest does not bind these bytes to these slots")
+        cfg, key = self.model.cfg, self.stamp_key
+        view = FrameView(frame, key=key, max_slots=self.limits.max_slots, max_rows=self.limits.max_rows,
+                         has_embedding=self.model.has_embedding, has_head=self.model.has_head,
+                         vocab=cfg.vocab_size, hidden=cfg.hidden_size, dtype=self.dtype)
+        outcome = self.refused("frame", view)
+        if outcome is not None:
+            return outcome
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
             if self.model.has_head:
                 return StepOutcome()
-            return StepOutcome(forward=self._next_frame(frame, key, [], torch.empty(0, self.model.cfg.hidden_size,
+            return StepOutcome(forward=self._next_frame(frame, key, [], torch.empty(0, cfg.hidden_size,
                                                                                  dtype=self.model.dtype)))
-        hidden = None
-        if not self.model.has_embedding:
-            try:
-                hidden = tensors.decode(frame.activations, rows=rows, width=self.model.cfg.hidden_size, dtype=self.dtype)
-            except tensors.BadTensor as e:
-                return self.reject_all(frame, RejectReason.BAD_TENSOR, f"activations: {e}")
-        elif frame.HasField("activations") and frame.activations.data:
-            return self.reject_all(frame, RejectReason.BAD_FRAME, "the first stage takes token ids, not activations")
+        hidden = view.activations
         out = StepOutcome()
         admitted: list[tuple[stage_pb2.Slot, Admitted, int]] = []   # slot, admission, first row
         try:
-            self._admit_slots(frame, key, admitted, out)
+            self._admit_slots(view, key, admitted, out)
         except Exception:
             # e.g. the arena failing to grow: nothing admitted so far may stay half-allocated and unfindable
             for _, a, _ in admitted:
@@ -166,34 +159,22 @@ class StageWorker:
             out.forward = self._next_frame(frame, key, admitted, h)
         return out
 
-    def _admit_slots(self, frame: stage_pb2.Frame, key: StampKey, admitted: list, out: StepOutcome) -> None:
-        """Per slot: its MAC (STAMP_FORGED), BAD_FRAME (a request twice, a token outside the vocabulary, sampling
-        parameters that are not its stamp's), its stamp against the state held (StageState.check) and room in
-        the KV (NO_CAPACITY); append what passed to `admitted` (with its first row), reject the rest."""
-        seen: set[str] = set()
-        vocab = self.model.cfg.vocab_size
+    def _admit_slots(self, frame: FrameView, key: StampKey, admitted: list, out: StepOutcome) -> None:
+        """Per slot, its `slot` rows of the checks (the MAC, a request twice, the vocabulary, the sampling
+        digest), its `state` rows (StageState.check) and room in the KV (NO_CAPACITY); append what passed to
+        `admitted` (with its first row), reject the rest."""
         row = 0
-        for slot in frame.slots:
-            n = len(slot.stamp.token_ids)
+        for slot in frame.frame.slots:
             try:
-                if not self.state.authentic(slot, key):
-                    # first, before anything reads the claim: only the coordinator holds this epoch's key
-                    raise Rejected(RejectReason.STAMP_FORGED, "the stamp's MAC is not the pipeline key's over this slot")
-                if slot.stamp.request_id in seen:
-                    raise Rejected(RejectReason.BAD_FRAME, "request appears twice in one frame")
-                seen.add(slot.stamp.request_id)
-                if self.model.has_embedding and n and max(slot.stamp.token_ids) >= vocab:
-                    # hashes can be consistent over any ids: this stage must not index its embedding with them
-                    raise Rejected(RejectReason.BAD_FRAME, f"token id {max(slot.stamp.token_ids)} outside the vocabulary "
-                                                f"of {vocab}")
-                if self.model.has_head and slot.sample and not self.state.sampling_matches(slot):
-                    raise Rejected(RejectReason.BAD_FRAME, "the slot's sampling parameters do not match its stamp")
+                found = self.state.refusal("slot", SlotView(slot, frame, None, None, None))
+                if found is not None:
+                    raise Rejected(found[0].reason, found[1])
                 a = self.state.check(slot)
                 self.state.reserve(a)
                 admitted.append((slot, a, row))
             except Rejected as e:
                 out.results.append(self.reject(slot, e.reason, e.detail))
-            row += n - slot.cached_prefix
+            row += len(slot.stamp.token_ids) - slot.cached_prefix
 
     def _run(self, frame, admitted, hidden: torch.Tensor | None) -> torch.Tensor:
         slots = [SlotRows(a.state.kv, a.start, a.rows) for _, a, _ in admitted]
