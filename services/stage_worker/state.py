@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import torch
+
 from tether.kv.blocks import BlockPool, NoCapacity, block_keys, extend_by_blocks
 from tether.kv.paged import PagedKV
 from tether.protocol import tensors
@@ -93,7 +95,7 @@ class FrameView:
 
     frame: stage_pb2.Frame
     last_seq: int = 0
-    pipeline_epoch: int = 0
+    pipeline_epoch: int | None = 0
     key: StampKey | None = None
     max_slots: int = 0
     max_rows: int = 0
@@ -102,7 +104,7 @@ class FrameView:
     vocab: int = 0
     hidden: int = 0
     dtype: str = ""
-    activations: object = None                        # the decoded rows, left by the tensor check
+    activations: torch.Tensor | None = None           # the decoded rows, left by the tensor check
     seen: set[str] = field(default_factory=set)       # request ids met so far in the frame (the slot checks)
 
     @cached_property
@@ -116,14 +118,14 @@ class SlotView:
     """A slot as its checks read it: what the stage holds for its request, and what the checks found."""
 
     slot: stage_pb2.Slot
-    frame: FrameView | None
+    frame: FrameView                    # the frame's view (the slot rows read it; the state rows never)
     held: RequestState | None           # what the stage holds for the request, any epoch
     live: RequestState | None           # ... if the slot extends it (same epoch): None starts a new state
     replaces: RequestState | None       # ... if the slot starts a newer epoch over it
     blocks: list[int] = field(default_factory=list)   # cached blocks of the prefix, left by the prefix check
 
     @classmethod
-    def of(cls, slot: stage_pb2.Slot, requests: dict[str, RequestState], frame: FrameView | None = None) -> "SlotView":
+    def of(cls, slot: stage_pb2.Slot, requests: dict[str, RequestState], frame: FrameView) -> "SlotView":
         held = requests.get(slot.stamp.request_id)
         if held is None or slot.stamp.epoch < held.epoch:
             return cls(slot, frame, held, held, None)
@@ -176,7 +178,7 @@ def _keyed(state, v: FrameView) -> str | None:
 
 def _intact(state, v: FrameView) -> str | None:
     """The payload digest binds these bytes to these slots' claims, in order (StampKey.frame_digest)."""
-    if v.key.frame_digest(v.frame.activations.data, v.frame.slots) == v.frame.payload_digest:
+    if v.key is not None and v.key.frame_digest(v.frame.activations.data, v.frame.slots) == v.frame.payload_digest:
         return None
     return "payload digest does not bind these bytes to these slots"
 
@@ -199,7 +201,8 @@ def _ids_not_rows(state, v: FrameView) -> str | None:
 
 def _authentic(state, v: SlotView) -> str | None:
     # first, before anything reads the claim: only the coordinator holds this epoch's key
-    return None if v.frame.key.verify(v.slot) else "the stamp's MAC is not the pipeline key's over this slot"
+    key = v.frame.key
+    return None if key is not None and key.verify(v.slot) else "the stamp's MAC is not the pipeline key's over this slot"
 
 
 def _once(state, v: SlotView) -> str | None:
@@ -352,6 +355,9 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+_NO_FRAME = FrameView(stage_pb2.Frame())   # what StageState.check's state rows get: they read no frame
+
+
 class StageState:
     """All requests' state on one stage, keyed by request id, and the checks every frame and slot pass."""
 
@@ -382,7 +388,7 @@ class StageState:
     def check(self, slot: stage_pb2.Slot) -> Admitted:
         """The `state` checks of a slot (well-formed, and extending the state held for its request); raise
         Rejected, or return what to run and commit (`_admit`)."""
-        view = SlotView.of(slot, self.requests)
+        view = SlotView.of(slot, self.requests, _NO_FRAME)
         found = self.refusal("state", view)
         if found is not None:
             raise Rejected(found[0].reason, found[1])

@@ -29,11 +29,10 @@ class UncheckedStageState(StageState):
 
     def _admit(self, v: SlotView) -> Admitted:
         st = v.slot.stamp
-        held = v.held
-        fresh = held is None or st.position == 0
-        if fresh:
+        held, fresh = v.held, False
+        if held is None or st.position == 0:
             hasher = ContextHasher(v.slot.hash_seed)
-            held = RequestState(st.request_id, st.epoch, hasher, self._new_kv(st.request_id), hasher.value)
+            held, fresh = RequestState(st.request_id, st.epoch, hasher, self._new_kv(st.request_id), hasher.value), True
         return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh)
 
     def reserve(self, a: Admitted) -> None:

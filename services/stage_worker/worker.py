@@ -128,6 +128,7 @@ class StageWorker:
         outcome = self.refused("frame", view)
         if outcome is not None:
             return outcome
+        assert key is not None   # the `keyed` row passed
         if not frame.slots:   # a keep-alive: it travels the whole route so that no hop's stream idles out
             if self.model.has_head:
                 return StepOutcome()
