@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import aclosing, asynccontextmanager
 
@@ -323,7 +323,7 @@ class FrontDoor:
             await asyncio.sleep(settings.ADMISSION_RESUME_POLL_S)
 
     async def _hop(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed, call: Call,
-                   outcome: Outcome, passed: list[int], hop: int) -> AsyncIterator[Event]:
+                   outcome: Outcome, passed: list[int], hop: int) -> AsyncGenerator[Event, None]:
         """The request on one pipeline: its events (each token appended to `passed` as it is yielded), the last
         one with its receipt; Dropped when the pipeline drops it, Rejected on any other error."""
         valid, tags, rid = a.valid, a.tags, a.internal_id

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -100,7 +100,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         return Started(req, events)
 
     async def follow(self, started: "Started", timeout_s: float | None, given: bool = True,
-                     ) -> AsyncIterator[TokenOut | Failure]:
+                     ) -> AsyncGenerator[TokenOut | Failure, None]:
         """A started request's events to its end: TokenOuts, the last with its finish reason, or a Failure (the
         driver's, or DEADLINE_EXCEEDED past `timeout_s` seconds; None: no limit of our own, a gRPC deadline
         bounds the call). However the consumer stops (its call cancelled, the stream gone), the request is
@@ -144,6 +144,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         started = self.start(request)
         if isinstance(started, Failure):
             await context.abort(started.code, started.message)
+            return   # abort raises: this tells the type checker
         # A caller that set no deadline still gets one: nothing waits forever on a wedged request. (A gRPC
         # deadline, which admission always sets, cancels this handler by itself.)
         timeout_s = self.max_lifetime_s if context.time_remaining() is None else None
@@ -151,6 +152,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
             async for ev in events:
                 if isinstance(ev, Failure):
                     await context.abort(ev.code, ev.message)
+                    return   # abort raises
                 yield token_event(ev)
 
     def _request(self, request: coordinator_pb2.SubmitRequest) -> Request:

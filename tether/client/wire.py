@@ -119,8 +119,8 @@ class StreamAssembler:
         self._text: list[str] = list(after._text) if after else []
         self._token_ids: list[int] = list(after._token_ids) if after else []
         self.tags: dict[str, Any] = dict(after.tags) if after else {}
-        self.seed = after.seed if after else 0
-        self.internal_id = after.internal_id if after else ""   # from the first chunk: the id admission minted
+        self.seed: int = after.seed if after else 0
+        self.internal_id: str = after.internal_id if after else ""   # from the first chunk: the id admission minted
         self.result: GenerateResult | None = None
 
     @property
