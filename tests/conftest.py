@@ -29,6 +29,7 @@ def cluster(tmp_path_factory):
 # collected last keeps one worker busy while the other has finished (measured: `--durations`).
 SLOW_FILES_FIRST = (
     "tests/services/e2e/test_chaos.py",
+    "tests/services/e2e/test_failover.py",
     "tests/tether/loadtest/test_chaos_bench.py",
     "tests/tether/loadtest/test_bench_e2e.py",
     "tests/services/e2e/test_errors.py",

@@ -44,11 +44,17 @@ class LoadWatch:
 
     driver: Driver
     fingerprint: str
+    watchers = 0   # Watch streams open now: an admission that watches has this pipeline's load (a rolling
+                   # restart moves on only once one does)
 
     async def Watch(self, request: coordinator_pb2.WatchRequest, context):
         interval = request.interval_s or DEFAULT_INTERVAL_S
         interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, interval))
         max_context = self.cfg.max_position_embeddings   # type: ignore[attr-defined]
-        while True:
-            yield load_report(self.driver, self.fingerprint, max_context)
-            await asyncio.sleep(interval)
+        self.watchers += 1
+        try:
+            while True:
+                yield load_report(self.driver, self.fingerprint, max_context)
+                await asyncio.sleep(interval)
+        finally:
+            self.watchers -= 1

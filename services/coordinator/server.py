@@ -183,7 +183,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
             kv_blocks_cached=ledger.cached, kv_blocks_total=min(ledger.capacity, 2**32 - 1),
             prefix_queries=f.prefix_queries, prefix_hits=f.prefix_hits, prefix_hit_tokens=f.prefix_hit_tokens,
             prefix_misses=c.prefix_misses, prompt_tokens=f.prompt_tokens, computed_tokens=f.computed_tokens,
-            step_seconds=e.step_seconds, prefix_cache=e.prefix_cache)
+            step_seconds=e.step_seconds, prefix_cache=e.prefix_cache, watchers=self.watchers)
 
 
 class _Session:

@@ -12,9 +12,10 @@ and ports, so the coordinator's re-handshake finds the stage where it was and re
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tether import settings
 
@@ -117,10 +118,11 @@ class Supervisor:
         self.started_at = now
         self.due: dict[str, float] = {}   # name -> when its restart is due (dead, waiting out the backoff)
         self.restarts = 0
+        self.exempt: set[str] = set()    # children being restarted on purpose (RollingRestart): not crashes
 
     def poll(self, now: float) -> None:
         for svc in self.cluster.services:
-            if svc.proc is None:   # not spawned yet
+            if svc.proc is None or svc.name in self.exempt:   # not spawned yet, or restarted on purpose
                 continue
             if svc.name not in self.history:
                 self.history[svc.name] = CrashHistory(self.policy, max(now, self.started_at))
@@ -154,3 +156,50 @@ class Supervisor:
         if tail:
             msg += f"\n--- last lines of {svc.name}'s log ---\n{tail}"
         return msg
+
+
+class _Rolling(Protocol):
+    services: list
+
+    def service(self, name: str) -> Any: ...
+    def restart(self, name: str) -> None: ...
+
+
+class RollingRestart:
+    """Restart the coordinators one after another without failing a request: each is drained first (SIGTERM:
+    it takes no new request, finishes what ends within its --drain-seconds and hands the rest back to admission,
+    which continues them on another pipeline), respawned once it has exited, and the next one is only started
+    once this one serves again (`serving(name)`). Driven by `poll(now)` from the launcher's loop (the spawning
+    thread), alongside the Supervisor, which does not count these exits as crashes."""
+
+    def __init__(self, cluster: _Rolling, supervisor: Supervisor, serving: Callable[[str], bool],
+                 say: Callable[[str], None] = print) -> None:
+        self.cluster, self.supervisor, self.serving, self.say = cluster, supervisor, serving, say
+        self.pending = [s.name for s in cluster.services if s.name.endswith("coordinator")]
+        self.current: str | None = None
+        self.step = ""                   # "draining" (SIGTERM sent) or "starting" (respawned)
+
+    @property
+    def done(self) -> bool:
+        return self.current is None and not self.pending
+
+    def poll(self, now: float) -> None:
+        if self.current is None:
+            if not self.pending:
+                return
+            self.current, self.step = self.pending.pop(0), "draining"
+            self.supervisor.exempt.add(self.current)
+            svc = self.cluster.service(self.current)
+            self.say(f"rolling restart: draining {self.current} (pid {svc.proc.pid})")
+            svc.proc.send_signal(signal.SIGTERM)
+            return
+        svc = self.cluster.service(self.current)
+        if self.step == "draining" and svc.proc.poll() is not None:
+            self.say(f"rolling restart: {self.current} drained (exit {svc.proc.returncode}); starting it again")
+            self.cluster.restart(self.current)
+            self.step = "starting"
+        elif self.step == "starting" and self.serving(self.current):
+            self.say(f"rolling restart: {self.current} serves again (pid {svc.proc.pid})")
+            self.supervisor.exempt.discard(self.current)
+            self.supervisor.history.pop(self.current, None)   # a fresh start, not a crash streak
+            self.current = None

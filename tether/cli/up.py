@@ -15,9 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tether import settings
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tether.cli.cluster import LocalCluster
-from tether.cli.supervisor import GaveUp, RestartPolicy, Supervisor
+from tether.cli.supervisor import GaveUp, RestartPolicy, RollingRestart, Supervisor
 
 # The demo on the default model (a real instruct model): questions as conversations, rendered by admission with
 # the model's chat template. Greedy unless a seed is given, so a run shows the same answers every time.
@@ -43,6 +47,20 @@ DEMO_PROMPTS = [
 POLL_S = 0.2   # how often the launcher looks for dead children (and for due restarts)
 
 
+def coordinator_serving(cluster: LocalCluster, name: str) -> bool:
+    """Whether coordinator `name` serves and admission routes to it again: its gRPC health is SERVING (its
+    pipeline has handshaken) and an admission watches its load (the first report of a Watch says serving)."""
+    with cluster.channel(name) as ch:
+        try:
+            if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5).status \
+                    != health_pb2.HealthCheckResponse.SERVING:
+                return False
+            stats = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=0.5)
+            return stats.watchers > 0
+        except grpc.RpcError:
+            return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tether up",
@@ -51,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"restart policy: {RestartPolicy().describe()}. Requests in flight when a stage dies resume "
                f"once it is back (within the coordinator's {settings.RECOVERY_WINDOW_S:g} s recovery window); "
                "after that they fail with UNAVAILABLE. --max-restarts sets the crashes allowed per child, "
-               "--no-restart stops the cluster at the first death.")
+               "--no-restart stops the cluster at the first death. SIGHUP (kill -HUP <pid of tether up>) restarts the "
+               f"pipelines one after another without failing a request: each coordinator is drained (up to "
+               f"{settings.DRAIN_S:g} s; what it still holds then is continued by admission on another pipeline), "
+               "started again, and the next one only once it serves.")
     p.add_argument("--model", default=settings.DEFAULT_MODEL,
                    help="smollm2 (the default: SmolLM2-135M-Instruct, a real instruct model, fetched and converted once), a "
                         "random-weight preset for tests and kernel benchmarks (tiny, small, base) or a Hugging Face "
@@ -177,9 +198,10 @@ def main(argv: list[str] | None = None) -> None:
                            log_dir=args.log_dir, metrics=args.metrics, extra=service_extra(args),
                            tls=args.tls or args.tls_dir is not None, tls_dir=args.tls_dir,
                            http=not args.no_http, http_port=args.http_port)
-    stop = threading.Event()
+    stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: roll.set())   # a rolling restart of the pipelines (e.g. new code)
     print(f"starting tether: model {args.model}, {args.pipelines} pipeline(s) of {args.stages} stage(s), "
           f"{threads} thread(s) each ...", flush=True)
     # Supervised from the start: a child that came up and then died while the others still start is restarted
@@ -205,8 +227,19 @@ def main(argv: list[str] | None = None) -> None:
                   f"on the internal services", flush=True)
         if args.demo:
             run_demo(cluster.target, args.model, cluster.tls_dir if cluster.tls else None)
+        rolling: RollingRestart | None = None
         while not stop.wait(POLL_S):
-            supervisor.poll(time.monotonic())
+            now = time.monotonic()
+            if roll.is_set() and rolling is None:
+                roll.clear()
+                rolling = RollingRestart(cluster, supervisor, lambda name: coordinator_serving(cluster, name),
+                                         say=lambda m: print(m, flush=True))
+            if rolling is not None:
+                rolling.poll(now)
+                if rolling.done:
+                    print("rolling restart: done", flush=True)
+                    rolling = None
+            supervisor.poll(now)
     except GaveUp as e:
         print(f"tether up: {e}", file=sys.stderr, flush=True)   # the cause first, then the shutdown
         exit_code = 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 import urllib.request
 
@@ -15,6 +16,8 @@ import pytest
 
 from tether import reference
 from tether.cli.cluster import LocalCluster, wait_serving
+from tether.cli.supervisor import RestartPolicy, RollingRestart, Supervisor
+from tether.cli.up import coordinator_serving
 from tether.client import AsyncClient
 
 PROMPTS = ["从前有一座山，山上有", "The quick brown fox", "请用一句话介绍长城", "Once upon a time there"]
@@ -89,6 +92,43 @@ def test_a_draining_coordinator_hands_back_what_it_holds_and_every_stream_comple
     cluster.restart("p1-coordinator")                  # back for the next test
     with grpc.insecure_channel(victim.address) as ch:
         assert wait_serving(ch, 60), victim.log_tail()
+
+
+def test_a_rolling_restart_of_both_pipelines_under_load_fails_nothing(two_pipelines):
+    """SIGHUP's rolling restart (tether/cli/supervisor.py RollingRestart), driven as `tether up` drives it: each
+    coordinator drained, respawned, the next once it serves; waves of streams all along: every one exact."""
+    cluster = two_pipelines
+    said: list[str] = []
+    sup = Supervisor(cluster, RestartPolicy(), now=time.monotonic(), say=said.append)
+    rolling = RollingRestart(cluster, sup, lambda name: coordinator_serving(cluster, name), say=said.append)
+    pids = {n: cluster.service(n).proc.pid for n in ("coordinator", "p1-coordinator")}
+    outcome: dict = {"waves": 0}
+    first_wave = threading.Event()
+
+    def load() -> None:
+        try:
+            while not outcome.get("stop"):
+                results = asyncio.run(stream_all(cluster, 8, first_wave.set))
+                assert_exact(results)
+                outcome["waves"] += 1
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            outcome["error"] = e
+            first_wave.set()
+
+    t = threading.Thread(target=load)
+    t.start()
+    first_wave.wait(120)
+    deadline = time.monotonic() + 150
+    while not rolling.done:   # from this (the spawning) thread, as the launcher does
+        assert time.monotonic() < deadline and "error" not in outcome, (said, outcome)
+        rolling.poll(time.monotonic())
+        sup.poll(time.monotonic())
+        time.sleep(0.1)
+    outcome["stop"] = True
+    t.join(180)
+    assert not t.is_alive() and "error" not in outcome, outcome.get("error")
+    assert outcome["waves"] >= 1 and sup.restarts == 0, said          # restarted on purpose, never as crashes
+    assert all(cluster.service(n).proc.pid != pid for n, pid in pids.items()), said
 
 
 def test_a_sigkilled_coordinators_streams_complete_exactly_on_the_other_pipeline(two_pipelines, capsys):

@@ -3,12 +3,13 @@ against a fake cluster."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 import pytest
 
 from tether import settings
-from tether.cli.supervisor import CrashHistory, GaveUp, RestartPolicy, Supervisor
+from tether.cli.supervisor import CrashHistory, GaveUp, RestartPolicy, RollingRestart, Supervisor
 
 POLICY = RestartPolicy(backoff_base_s=0.5, backoff_cap_s=10.0, stable_s=30.0, max_restarts=5, window_s=60.0)
 
@@ -177,3 +178,35 @@ def test_supervisor_without_restarts_stops_at_the_first_death():
     with pytest.raises(GaveUp, match="coordinator exited with 0; restarts are off"):
         sup.poll(1.0)
     assert cluster.restarted == []
+
+
+def test_a_rolling_restart_drains_one_coordinator_at_a_time_and_is_never_a_crash():
+    class SignalledProc(FakeProc):
+        def send_signal(self, sig: int) -> None:
+            self.signal = sig
+
+    cluster = FakeCluster([FakeService("stage0", FakeProc(1)), FakeService("coordinator", SignalledProc(2)),
+                           FakeService("p1-coordinator", SignalledProc(3)), FakeService("admission", FakeProc(4))])
+    serving: set[str] = set()
+    sup = Supervisor(cluster, POLICY, now=0.0, say=lambda _: None)
+    rolling = RollingRestart(cluster, sup, lambda name: name in serving, say=lambda _: None)
+    rolling.poll(1.0)
+    first = cluster.service("coordinator").proc
+    assert first.signal == signal.SIGTERM and rolling.current == "coordinator"
+    assert not hasattr(cluster.service("p1-coordinator").proc, "signal")   # one at a time
+    first.returncode = 0                                                     # drained and exited
+    sup.poll(1.1)
+    assert sup.due == {} and sup.restarts == 0                               # not a crash
+    rolling.poll(1.2)
+    assert cluster.restarted == ["coordinator"] and rolling.current == "coordinator"
+    rolling.poll(1.3)
+    assert rolling.current == "coordinator"                                  # not serving yet: wait
+    serving.add("coordinator")
+    rolling.poll(1.4)
+    rolling.poll(1.5)
+    assert rolling.current == "p1-coordinator" and cluster.service("p1-coordinator").proc.signal == signal.SIGTERM
+    cluster.service("p1-coordinator").proc.returncode = 0
+    rolling.poll(1.6)
+    serving.add("p1-coordinator")
+    rolling.poll(1.7)
+    assert rolling.done and cluster.restarted == ["coordinator", "p1-coordinator"] and not sup.exempt
