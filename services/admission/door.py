@@ -31,6 +31,7 @@ from services.admission.auth import ApiKeys, AuthError, Principal, authorize
 from services.admission.front_work import Busy, FrontWork, admit
 from services.admission.limits import ConcurrencyShares, Refusal, TenantLimits, shed_by_priority
 from services.admission.outcome import Admitted, Call, Outcome
+from services.admission import public
 from services.admission.pipelines import Pipelines, Routed, Refused, routing_key
 from services.admission.routing import RouteRequest
 from services.admission.session import SessionBroken
@@ -172,9 +173,9 @@ class FrontDoor:
 
     def _check_ready(self, outcome: Outcome) -> None:
         """Never forward while no pipeline serves our model: that answer would be wrong."""
-        if not self.ready:
+        if not self.ready:   # the reason's addresses are for the log (set_ready), not the caller
             self._refuse(outcome, "not_ready", grpc.StatusCode.UNAVAILABLE,
-                         f"admission is not ready: {self.not_ready_reason}")
+                         f"admission is not ready: {public.redact(self.not_ready_reason) or 'see its log'}")
 
     async def _admit(self, request: admission_pb2.GenerateRequest, outcome: Outcome, account: str,
                      take_label: bool = True) -> Admitted:
@@ -197,10 +198,10 @@ class FrontDoor:
         except BrokenProcessPool:
             self._refuse(outcome, "worker_died", grpc.StatusCode.UNAVAILABLE,
                          "admission's tokenizer worker died while handling this request; it was restarted: retry")
-        except Exception as e:   # noqa: BLE001 - a bug must reach the caller as a status that says so
+        except Exception:   # noqa: BLE001 - a bug must reach the caller as a status that says so (not its repr)
             log.exception("admitting a request failed")
             self._refuse(outcome, "internal", grpc.StatusCode.INTERNAL,
-                         f"admission failed to process the request: {e!r}")
+                         public.failure_message(grpc.StatusCode.INTERNAL, ""))
         a = Admitted(uuid.uuid4().hex, valid, tags)
         outcome.admitted(a, self.model_name, self.model_fingerprint, request, started)
         if take_label and valid.request_id:
@@ -287,8 +288,10 @@ class FrontDoor:
             raise AssertionError("unreachable: the last hop returns or raises")
         except Rejected as e:
             how = e.code.name
+            # The detail (addresses, the coordinator's words) goes to this log line, with the request's id and
+            # trace id; the caller gets it with its addresses redacted (public.py) and the reference to this line.
             log.warning("request %s (label %r) failed: %s %s", rid, valid.request_id, e.code.name, e.message)
-            raise
+            raise Rejected(e.code, public.failure_message(e.code, e.message, rid), e.retry_after_s) from None
         finally:
             if how is not None:
                 outcome.failed(how)
@@ -342,7 +345,7 @@ class FrontDoor:
                                                label=valid.request_id, resume_tokens=passed,
                                                timeout_s=self.max_lifetime_s if lifetime_applied else remaining,
                                                traceparent=outcome.traceparent)
-        target = routed.link.address
+        target = f"coordinator {routed.link.name} ({routed.link.address})"   # for the log, never the caller
         events = routed.link.session.start(submit)
         failure: tuple[grpc.StatusCode, str] | None = None
         dropped: Dropped | None = None
@@ -353,7 +356,7 @@ class FrontDoor:
                 event = await events.get()
                 if isinstance(event, SessionBroken):
                     ended = True
-                    failure = (event.code, f"coordinator {target} said: {event.details}")
+                    failure = (event.code, f"{target} said: {event.details}")
                     dropped = Dropped("session_broken", *failure)
                     break
                 if event.status_code:
@@ -363,7 +366,7 @@ class FrontDoor:
                         failure = (code, f"request ran past admission's maximum lifetime of {self.max_lifetime_s:g} s "
                                          f"(the call set no deadline)")
                     else:
-                        failure = (code, f"coordinator {target} said: {event.status_message}")
+                        failure = (code, f"{target} said: {event.status_message}")
                     if event.handed_back:   # a draining coordinator gave it back unfinished
                         dropped = Dropped("handed_back", *failure)
                     elif code == grpc.StatusCode.UNAVAILABLE:

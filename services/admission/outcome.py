@@ -125,7 +125,8 @@ class RequestTrace:
     def routed(self, routed: Routed | None, started_ns: int, error: BaseException | None = None) -> None:
         attributes = {}
         if routed is not None:
-            attributes = {"tether.pipeline": routed.link.address, "tether.route_reason": routed.reason}
+            attributes = {"tether.pipeline": routed.link.name, "tether.pipeline_address": routed.link.address,
+                          "tether.route_reason": routed.reason}   # the trace is the operator's: the address too
             self.span.set_attributes(attributes)
         span = self._child("admission route", started_ns, attributes)
         if error is not None:

@@ -89,8 +89,11 @@ class PipelineLink:
     """One coordinator, as admission sees it."""
 
     def __init__(self, address: str, roles: frozenset[str], session_factory: Callable, fingerprint: str,
-                 breaker: CircuitBreaker | None = None, tls: TlsConfig | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, tls: TlsConfig | None = None, name: str = "") -> None:
         self.address = address
+        # What callers see (IntentTags.pipeline, route reasons, refusals): a stable name, never the address,
+        # which maps the cluster's insides for whoever asks. The log says which address a name is.
+        self.name = name or address
         self.tls = tls
         # With TLS: presenting admission's certificate (the only caller a coordinator serves), and the server
         # must be spiffe://tether.local/coordinator (verified by TLS under its server name on every connection,
@@ -149,7 +152,8 @@ class Pipelines:
                  watch_interval_s: float = settings.LOAD_REPORT_INTERVAL_S, tls: TlsConfig | None = None) -> None:
         self.fingerprint, self.session_factory, self.tls = fingerprint, session_factory, tls
         self.names = [(a.removeprefix(DNS_PREFIX), roles) for a, roles in coordinators if a.startswith(DNS_PREFIX)]
-        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint, tls=tls)
+        self.named = 0                           # pipelines named so far: the next is pipeline-<named>
+        self.links = {a: PipelineLink(a, roles, session_factory, fingerprint, tls=tls, name=self._name(a))
                       for a, roles in coordinators if not a.startswith(DNS_PREFIX)}
         self.router = Router(policy)
         self.watch_interval_s = watch_interval_s
@@ -158,6 +162,15 @@ class Pipelines:
         self.retired: dict[str, PipelineLink] = {}   # no longer resolved: closed once their requests ended
 
     # --- the set of pipelines -------------------------------------------------------------------------------
+    def _name(self, address: str) -> str:
+        """The public name of the next pipeline: pipeline-<i>, in the order of --coordinator, then of discovery
+        (a configured pipeline keeps its name for the process's life; so does a discovered one that comes
+        back while it is still draining)."""
+        name = f"pipeline-{self.named}"
+        self.named += 1
+        log.info("%s is coordinator %s", name, address)
+        return name
+
     def start(self) -> None:
         """Follow every configured pipeline's load (and, for `dns:` names, the set of pipelines)."""
         for link in self.links.values():
@@ -177,7 +190,7 @@ class Pipelines:
         for address, roles in resolved.items():
             if address not in self.links:
                 link = self.retired.pop(address, None) or PipelineLink(
-                    address, roles, self.session_factory, self.fingerprint, tls=self.tls)
+                    address, roles, self.session_factory, self.fingerprint, tls=self.tls, name=self._name(address))
                 link.discovered = True
                 self.links[address] = link
                 self._follow(link)
@@ -221,7 +234,7 @@ class Pipelines:
         serving = [l for l in self.links.values() if l.serving]
         if serving:
             return True, f"{len(serving)} of {len(self.links)} pipeline(s) serving"
-        why = "; ".join(f"{l.address}: {l.reason}" for l in self.links.values())
+        why = "; ".join(f"{l.name} ({l.address}): {l.reason}" for l in self.links.values())   # for the log
         return False, f"no pipeline serving ({why})"
 
     async def watch(self, link: PipelineLink) -> None:
@@ -273,11 +286,11 @@ class Pipelines:
         if shed is not None:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, shed.message, shed.retry_after_s)
         if not link.breaker.allow():    # a half-open breaker's probe slot went to another request meanwhile
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"pipeline {link.address} is being probed after failures; "
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"pipeline {link.name} is being probed after failures; "
                                                        f"retry shortly", max(0.1, link.breaker.retry_after_s()))
         link.outstanding += req.cost
         link.in_flight += 1
-        return Routed(link, req.cost, f"{decision.pipeline} ({decision.policy}: {decision.reason})")
+        return Routed(link, req.cost, f"{link.name} ({decision.policy}: {decision.reason})")
 
     def finished(self, routed: Routed, code: grpc.StatusCode | None) -> None:
         """The request ended: `code` None when it finished, else its status. Feeds the pipeline's breaker."""

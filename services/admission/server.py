@@ -31,7 +31,7 @@ _SERVICE = "tether.v1.Admission"
 def tags_proto(tags: Tags, routed: Routed | None = None) -> common_pb2.IntentTags:
     proto = common_pb2.IntentTags(**dataclasses.asdict(tags))
     if routed is not None:
-        proto.pipeline, proto.route_reason = routed.link.address, routed.reason
+        proto.pipeline, proto.route_reason = routed.link.name, routed.reason   # a name, never an address
     return proto
 
 
