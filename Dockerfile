@@ -45,8 +45,9 @@ RUN mkdir -p /data/tether \
 
 USER tether
 
-# admission, coordinator, stage 0 and stage 1 of the default ports (tether/settings.py): gRPC, then /metrics
-EXPOSE 50051 50061 50071 50072 9051 9061 9071 9072
+# admission, coordinator, stage 0 and stage 1 of the default ports (tether/settings.py): gRPC, admission's
+# OpenAI-compatible HTTP API (--http-port), then /metrics
+EXPOSE 50051 50061 50071 50072 8000 9051 9061 9071 9072
 
 ENTRYPOINT ["tether"]
 CMD ["--help"]

@@ -235,7 +235,10 @@ def test_admission_is_published_and_env_is_set():
     compose = _compose()
     services = _tether_services(compose)
     admission_port = _flags(services["admission"]["command"][1:])["--port"]
-    assert f"127.0.0.1:{admission_port}:{admission_port}" in [str(p) for p in services["admission"].get("ports", [])]
+    published = [str(p) for p in services["admission"].get("ports", [])]
+    assert f"127.0.0.1:{admission_port}:{admission_port}" in published
+    http = _http_port(services["admission"])
+    assert http == settings.HTTP_PORT and f"127.0.0.1:{http}:{http}" in published, "the OpenAI-compatible API"
     volume_names = set(compose.get("volumes") or {})
     for name, svc in services.items():
         env = _env(svc)
@@ -245,6 +248,13 @@ def test_admission_is_published_and_env_is_set():
         assert any(src in volume_names and dst == TETHER_HOME for src, dst, *_ in mounts), \
             f"{name}: TETHER_HOME must be a named volume"
         assert svc.get("build") and svc.get("image"), name
+
+
+def _http_port(admission: dict) -> int:
+    """The port admission's command serves its OpenAI-compatible HTTP API on (its parser's view)."""
+    ns = importlib.import_module("services.admission.main").build_parser().parse_args(admission["command"][1:])
+    assert not ns.no_http, "the compose cluster serves the HTTP API"
+    return ns.http_port
 
 
 def _published(svc: dict) -> set[str]:
@@ -481,6 +491,7 @@ def test_dockerfile_exposes_every_port_compose_serves():
     for name, svc in _tether_services(_compose()).items():
         flags = _flags(svc["command"][1:])
         assert {flags["--port"], flags["--metrics-port"]} <= exposed, name
+    assert str(_http_port(_tether_services(_compose())["admission"])) in exposed
 
 
 def test_dockerfile_copies_what_the_build_needs():

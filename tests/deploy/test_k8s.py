@@ -376,7 +376,13 @@ def test_ports_probes_and_scrape_annotations(docs, kind_name):
     f = _flags(_argv(docs, kind_name)[1:])
     grpc_port, metrics_port = int(f["--port"]), int(f["--metrics-port"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    expected = {"grpc": grpc_port, "metrics": metrics_port}
+    if kind_name == ADMISSION:   # the OpenAI-compatible API, on the port admission's parser says it serves
+        ns = importlib.import_module("services.admission.main").build_parser().parse_args(
+            _argv(docs, kind_name)[1:])
+        assert not ns.no_http and ns.http_port == settings.HTTP_PORT
+        expected["http"] = ns.http_port
+    assert ports == expected
     svc = one(docs, "Service", w["metadata"]["name"] if kind_name != STAGE else w["spec"]["serviceName"])
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
     # readiness: gRPC health (admission and the coordinator are SERVING only while their pipeline is); under TLS
@@ -780,7 +786,8 @@ def test_network_policies_let_only_admission_reach_coordinators_and_only_a_pipel
     assert not any(ok(stage, 50071, p) for p in (adm, coord1, stage1, stranger))
     assert not any(ok(stage1, 50071, p) for p in (adm, coord, stage, stranger))
     assert not ok(stage, 50071, stranger, monitoring)
-    assert ok(adm, 50051, stranger) and ok(adm, 50051, stranger, elsewhere)   # the public door
+    for port in (50051, settings.HTTP_PORT):   # the public door: gRPC and the OpenAI-compatible API
+        assert ok(adm, port, stranger) and ok(adm, port, stranger, elsewhere)
     for pod, metrics_port in ((adm, 9051), (coord, 9061), (stage, 9071), (stage1, 9071)):
         assert ok(pod, metrics_port, stranger, monitoring)
         assert not ok(pod, metrics_port, stranger) and not ok(pod, metrics_port, adm)

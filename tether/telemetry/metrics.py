@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -73,7 +73,7 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> int:
     return server.server_address[1]
 
 
-class CachedSnapshot:
+class CachedSnapshot(Generic[T]):
     """`fetch()` at most once per `max_age_s`, however many callers ask: a caller within that age of the last
     fetch gets its result, and callers arriving during a fetch wait for that one fetch (one at a time) rather
     than starting their own. A failed fetch is not cached (the next caller tries again)."""
@@ -96,7 +96,7 @@ class CachedSnapshot:
 
 
 def loop_snapshot(loop: asyncio.AbstractEventLoop, fn: Callable[[], T],
-                  max_age_s: float = settings.METRICS_SNAPSHOT_MAX_AGE_S) -> CachedSnapshot:
+                  max_age_s: float = settings.METRICS_SNAPSHOT_MAX_AGE_S) -> CachedSnapshot[T]:
     """What a Stats collector reads: `fn` run on `loop` (which owns the state), at most once per `max_age_s`."""
     return CachedSnapshot(lambda: on_loop(loop, fn), max_age_s)
 

@@ -38,7 +38,7 @@ class BoundedWSGIServer(WSGIServer):
         self.refused = 0           # connections answered 503 because every worker was busy
         super().server_bind()
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
+    def process_request(self, request, client_address) -> None:   # request: a TCP socket here
         if not self._slots.acquire(blocking=False):
             self.refused += 1
             try:
@@ -73,6 +73,7 @@ def start(registry: CollectorRegistry, host: str, port: int,
     """Serve `registry` on http://host:port/metrics from a daemon thread (port 0 picks a free one)."""
     base = _IPv6Server if ":" in host else BoundedWSGIServer
     server_class = type("MetricsServer", (base,), {"workers": workers})
-    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    server: BoundedWSGIServer = make_server(host, port, make_wsgi_app(registry), server_class,
+                                            handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics-accept").start()
     return server
