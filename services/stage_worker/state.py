@@ -322,36 +322,35 @@ class Check:
         return self.test.__name__.lstrip("_")
 
 
-R = RejectReason
 LEVELS = ("stream", "frame", "slot", "state")
 # In the order a frame meets them. docs/PROTOCOL.md "What a stage checks before it touches any KV" lists the
 # same rows (held to this table by tests/services/stage_worker/test_check_table.py).
 CHECKS: tuple[Check, ...] = (
-    Check("stream", R.BAD_SEQUENCE, _in_sequence, True),
-    Check("stream", R.STALE_EPOCH, _this_pipeline_epoch, False),
-    Check("frame", R.BAD_FRAME, _rows_defined, False),
-    Check("frame", R.BAD_FRAME, _slots_within_limit, False, "FRAME_SLOTS"),
-    Check("frame", R.BAD_FRAME, _rows_within_limit, False, "FRAME_ROWS"),
-    Check("frame", R.STAMP_FORGED, _keyed, False),
-    Check("frame", R.DIGEST_MISMATCH, _intact, True),
-    Check("frame", R.BAD_TENSOR, _sound_tensor, False),
-    Check("frame", R.BAD_FRAME, _ids_not_rows, False),
-    Check("slot", R.STAMP_FORGED, _authentic, True),
-    Check("slot", R.BAD_FRAME, _once, False),
-    Check("slot", R.BAD_FRAME, _in_vocabulary, False),
-    Check("slot", R.BAD_FRAME, _sampling_matches, True),
-    Check("state", R.BAD_FRAME, _named, False),
-    Check("state", R.BAD_FRAME, _in_window, False),
-    Check("state", R.BAD_FRAME, _on_block_grid, False),
-    Check("state", R.STALE_EPOCH, _not_older, True),
-    Check("state", R.STALE_EPOCH, _new_epoch_at_zero, True),
-    Check("state", R.UNKNOWN_REQUEST, _known, True),
-    Check("state", R.POSITION_GAP, _no_gap, True),
-    Check("state", R.STATE_MISMATCH, _extends_held_chain, True),
-    Check("state", R.STATE_MISMATCH, _reaches_context, True),
-    Check("state", R.KV_TAG_MISMATCH, _kv_tagged, True),
-    Check("state", R.BAD_FRAME, _prefix_starts_state, True),
-    Check("state", R.PREFIX_MISS, _prefix_cached, True),
+    Check("stream", RejectReason.BAD_SEQUENCE, _in_sequence, True),
+    Check("stream", RejectReason.STALE_EPOCH, _this_pipeline_epoch, False),
+    Check("frame", RejectReason.BAD_FRAME, _rows_defined, False),
+    Check("frame", RejectReason.BAD_FRAME, _slots_within_limit, False, "FRAME_SLOTS"),
+    Check("frame", RejectReason.BAD_FRAME, _rows_within_limit, False, "FRAME_ROWS"),
+    Check("frame", RejectReason.STAMP_FORGED, _keyed, False),
+    Check("frame", RejectReason.DIGEST_MISMATCH, _intact, True),
+    Check("frame", RejectReason.BAD_TENSOR, _sound_tensor, False),
+    Check("frame", RejectReason.BAD_FRAME, _ids_not_rows, False),
+    Check("slot", RejectReason.STAMP_FORGED, _authentic, True),
+    Check("slot", RejectReason.BAD_FRAME, _once, False),
+    Check("slot", RejectReason.BAD_FRAME, _in_vocabulary, False),
+    Check("slot", RejectReason.BAD_FRAME, _sampling_matches, True),
+    Check("state", RejectReason.BAD_FRAME, _named, False),
+    Check("state", RejectReason.BAD_FRAME, _in_window, False),
+    Check("state", RejectReason.BAD_FRAME, _on_block_grid, False),
+    Check("state", RejectReason.STALE_EPOCH, _not_older, True),
+    Check("state", RejectReason.STALE_EPOCH, _new_epoch_at_zero, True),
+    Check("state", RejectReason.UNKNOWN_REQUEST, _known, True),
+    Check("state", RejectReason.POSITION_GAP, _no_gap, True),
+    Check("state", RejectReason.STATE_MISMATCH, _extends_held_chain, True),
+    Check("state", RejectReason.STATE_MISMATCH, _reaches_context, True),
+    Check("state", RejectReason.KV_TAG_MISMATCH, _kv_tagged, True),
+    Check("state", RejectReason.BAD_FRAME, _prefix_starts_state, True),
+    Check("state", RejectReason.PREFIX_MISS, _prefix_cached, True),
 )
 
 
