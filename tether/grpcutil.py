@@ -24,12 +24,12 @@ from tether.security.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
-def message_options(max_bytes: int) -> list[tuple[str, int]]:
+def message_options(max_bytes: int) -> list[tuple[str, int | str]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
 # Keepalive so a peer that vanished (killed, network gone) is noticed in seconds, not at TCP timeout.
-KEEPALIVE_OPTIONS = [
+KEEPALIVE_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -37,7 +37,7 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
-def server_options(max_message_bytes: int, max_connection_age_s: float | None) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, max_connection_age_s: float | None) -> list[tuple[str, int | str]]:
     options = message_options(max_message_bytes) + [
         ("grpc.keepalive_time_ms", int(settings.SERVER_KEEPALIVE_S * 1000)),
         ("grpc.keepalive_timeout_ms", int(settings.SERVER_KEEPALIVE_TIMEOUT_S * 1000)),

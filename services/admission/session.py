@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+from typing import Any
 
 import grpc
 
@@ -97,7 +98,7 @@ class CoordinatorSession:
         """Start a request; its queue gets its TokenEvents in order, or a SessionBroken."""
         if self.stream is None or self.stream.broken:
             self.stream = _SessionStream(self.stub)
-        stream, q = self.stream, asyncio.Queue()
+        stream, q = self.stream, asyncio.Queue[Any]()
         stream.sinks[submit.request_id] = q
         self.by_id[submit.request_id] = stream
         stream.submits.append(submit)

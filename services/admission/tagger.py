@@ -349,6 +349,7 @@ def _language_units(text: str) -> tuple[float, float, float]:
     seg = _Segment()
 
     def close(seg: _Segment) -> tuple[float, float, float, float]:
+        o: float
         if seg.kana and seg.kana * 4 >= seg.cjk + seg.kana:  # kanji among kana: Japanese
             o = seg.cjk + seg.kana
             seg.cjk = seg.kana = 0
@@ -378,7 +379,7 @@ def _language_units(text: str) -> tuple[float, float, float]:
             z, e, o, c = close(seg)
             zh, en, other, code_latin = zh + z, en + e, other + o, code_latin + c
             seg = _Segment()
-        else:
+        elif kind is not None:   # every alternative of _LANG_TOKEN is a named group
             setattr(seg, kind, getattr(seg, kind) + 1)
     z, e, o, c = close(seg)
     zh, en, other, code_latin = zh + z, en + e, other + o, code_latin + c

@@ -386,6 +386,7 @@ class Driver:
         elif j.verdict is Verdict.CONFIRM:
             self.sched.confirmed(req)
         else:
+            assert res is not None   # judge appends only a result that came
             self._append(req, res.token_id)
 
     def _append(self, req: Request, token_id: int) -> None:
@@ -419,6 +420,7 @@ class Driver:
     def _token_mac(self, req: Request, token_id: int) -> int:
         """The keyed token hash a last stage holding this epoch's stamp key returns for `token_id`."""
         sent = req.sent
+        assert sent is not None   # a frame is in flight
         return self.pipeline.stamp_key.token_mac(req.seq.hasher.peek([token_id]), req.id, sent.epoch,
                                                  sent.position + len(sent.token_ids), req.sampling_digest, token_id)
 

@@ -11,6 +11,8 @@ cannot confirm is refused (PREFIX_MISS) and replayed cold, never trusted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tether.kv.blocks import BlockPool, block_keys
 from tether.mathutil import ceil_div
 
@@ -59,7 +61,7 @@ class BlockLedger:
         """Blocks `rid` must still get to hold `positions` positions."""
         return max(0, self.blocks(positions) - len(self.held.get(rid, ())))
 
-    def can_hold(self, rid: str, positions: int, prefix: list[int] = ()) -> bool:
+    def can_hold(self, rid: str, positions: int, prefix: Sequence[int] = ()) -> bool:
         """Whether `rid` can grow to `positions` positions now (starting from the cached blocks `prefix`, if
         given): its stale blocks are freed first, and attaching an unheld cached block takes it off the
         evictable list."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from typing import Any
 
 import grpc
 
@@ -40,7 +41,7 @@ class Pipeline:
         self.epoch = 0
         self.stamp_key = StampKey.generate()   # replaced at every handshake; only stages of that handshake know it
         self.stages: list[stage_pb2.StageInfo] = []
-        self.call = None
+        self.call: Any = None   # the Forward stream of the handshaken route
         self.stream_seq = 0
         self.faults = faults or FaultInjector()    # off unless configured: the chaos experiments' hook
         # Stages free what an earlier coordinator process left behind when they see a new instance.

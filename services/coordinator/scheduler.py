@@ -194,6 +194,7 @@ class Request:
     def confirm(self, block: int = 0) -> None:
         """The frame in flight was processed by every stage: they now hold what it carried. With `block`,
         note the chain's value at each block end it crossed."""
+        assert self.sent is not None   # a frame is in flight
         if block:
             self.block_ends += extend_by_blocks(self.fed_hash, self.sent.token_ids, block)
         else:
@@ -361,12 +362,13 @@ class Scheduler:
                     self.waiting.remove(req)
                     self.impossible.append(req)
                     continue
-                n = self._start(req, self.max_tokens - tokens)
-                if n is None:
+                rows = self._start(req, self.max_tokens - tokens)
+                if rows is None:
                     break              # the head does not fit yet: FIFO within priority, nobody overtakes
                 batch.append(req)
-                tokens += n
+                tokens += rows
         for req in batch:
+            assert req.sent is not None   # every request of the batch has its frame's stamp
             self.figures.computed_tokens += len(req.sent.token_ids) - req.cached
         if batch:
             self.frames_in_flight += 1

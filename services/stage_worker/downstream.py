@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -26,7 +27,7 @@ class Downstream:
         self._channel, self._address = channel, address   # read when a stream opens: handshakes change them
         self._injector = injector
         self._deliver, self._fail = deliver, fail
-        self.call = None
+        self.call: Any = None   # the Forward stream to the next stage, once opened
         self._reader: asyncio.Task | None = None
         self._seq = 0
         # downstream seq -> (upstream seq, own results); bounded: a frame the next stage never answers is
@@ -62,9 +63,10 @@ class Downstream:
     async def _read(self, call) -> None:
         try:
             async for reply in call:
-                up_seq, own = self.pending.pop(reply.stream_seq, (None, None))
-                if up_seq is None:
+                entry = self.pending.pop(reply.stream_seq, None)
+                if entry is None:
                     continue  # a reply to nothing we sent: drop it, the coordinator times the frame out
+                up_seq, own = entry
                 await self._deliver(stage_pb2.FrameReply(stream_seq=up_seq, results=[*own, *reply.results]))
         except asyncio.CancelledError:
             raise

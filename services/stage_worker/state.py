@@ -457,6 +457,7 @@ class StageState:
         under the chain's value at its end (salted by model and tenant), chained to the registration of the
         block before it. A block whose key another block already holds stays private."""
         block, pool, kv = self.block, self.pool, state.kv
+        assert pool is not None   # called with the prefix cache on only
         first = state.hasher.length // block              # the block the first of `ids` falls in
         ends = extend_by_blocks(state.hasher, ids, block)
         state.tokens.extend(ids)

@@ -223,7 +223,7 @@ class LocalCluster:
         even_split(num_layers, self.stages)     # fail early with a clear message
         free = self.admission_port == 0
         n, stages = self.pipelines, self.stages
-        ports = [free_port(self.host) for _ in range(2 + n + n * stages)] if free else None
+        ports = [free_port(self.host) for _ in range(2 + n + n * stages)] if free else []
         metrics_ports = None
         if self.metrics:
             metrics_ports = default_metrics_ports(stages, n)
@@ -289,25 +289,26 @@ class LocalCluster:
         return grpc.secure_channel(address, tls_config.client_channel_credentials(certs.ca_path(self.tls_dir), *key))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        svc = self.service(name)
-        svc.proc.send_signal(sig)
-        svc.proc.wait(timeout=10)
+        proc = self.service(name).proc
+        assert proc is not None, f"{name} was never started"
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
 
     def restart(self, name: str) -> None:
         self.spawn(self.service(name))
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every child (admission first), then SIGKILL whatever outlives the grace period."""
-        live = [s for s in reversed(self.services) if s.proc is not None and s.proc.poll() is None]
-        for s in live:
-            s.proc.send_signal(signal.SIGTERM)
+        live = [s.proc for s in reversed(self.services) if s.proc is not None and s.proc.poll() is None]
+        for proc in live:
+            proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for s in live:
+        for proc in live:
             try:
-                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait()
+                proc.kill()
+                proc.wait()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

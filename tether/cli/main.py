@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     if ns.command in SERVICE_MODULES:
         _service(SERVICE_MODULES[ns.command])(rest)
         return
-    module = __import__(COMMANDS[ns.command][1], fromlist=["main"])
+    name = COMMANDS[ns.command][1]
+    assert name is not None   # only the service commands, handled above, have no module of their own
+    module = __import__(name, fromlist=["main"])
     if ns.command == "tag":
         module.tag_main(rest)
     else:

@@ -140,7 +140,7 @@ class Supervisor:
             # Any exit counts, 0 included: under `tether up` only the launcher stops children, so a child that
             # left on its own took part of the pipeline with it (compose's `unless-stopped`, not `on-failure`).
             decision = self.history[svc.name].crashed(now)
-            if decision.give_up:
+            if decision.restart_in is None:   # give_up
                 raise GaveUp(self._give_up_message(svc, code, decision), svc.name, code)
             self.due[svc.name] = now + decision.restart_in
             self.say(f"{svc.name} exited with {code}; restarting in {decision.restart_in:g} s "

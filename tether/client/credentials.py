@@ -64,7 +64,7 @@ def channel_credentials(conn: Connection) -> grpc.ChannelCredentials:
     try:
         from tether.security.tls import client_channel_credentials   # the services' helper, one TLS policy
     except ImportError:                                               # pragma: no cover - older tree
-        client_channel_credentials = _local_credentials
+        client_channel_credentials = _local_credentials   # type: ignore[assignment]  # takes str paths only, all we pass
     try:
         return client_channel_credentials(conn.tls_ca, conn.tls_cert, conn.tls_key)
     except OSError as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 try:
     from opentelemetry import trace as _trace
 except ImportError:   # the SDK has no hard dependency on OpenTelemetry
-    _trace = None
+    _trace = None   # type: ignore[assignment]  # the SDK works without OpenTelemetry: no context to pass on
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...] | None:

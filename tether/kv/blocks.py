@@ -14,7 +14,7 @@ evictable in least-recently-used order when the pool needs room.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +154,7 @@ class BlockPool:
     def entry(self, block: int) -> Cached | None:
         return self.entries.get(block)
 
-    def match(self, keys: list[Hashable], confirm=None) -> list[int]:
+    def match(self, keys: Sequence[Hashable], confirm=None) -> list[int]:
         """The longest run of cached blocks for `keys` (one per block, in order), each confirmed by
         `confirm(i, block, entry, previous entry)` when given. Counts the query; touches nothing."""
         out: list[int] = []

@@ -222,6 +222,7 @@ class EngineProbe:
         self._cpu = read_cpu(self._pids)   # last: the Stats calls' own time stays outside the window
 
     def after(self) -> dict:
+        assert self._cpu is not None, "after() without before()"
         cpu = cpu_delta(self._cpu, read_cpu(self._pids))   # first, for the same reason
         engine = engine_delta(self._engine, read_engine(self.coordinator, self.stages)) if self._engine else None
         return dict(engine=engine, cpu=cpu)
@@ -252,6 +253,12 @@ def _coord(level: dict, key: str) -> float | None:
 _VARIANT = re.compile(r"^(?P<level>.*), prefix cache (?P<side>off|on)(?P<repeat> #\d+)?$")
 
 
+def _level(label: str) -> str:
+    m = _VARIANT.match(label)
+    assert m is not None, label   # only the variants' levels are paired
+    return m["level"]
+
+
 def compare_prefix_cache(levels: list[dict]) -> dict:
     """Pair each level run without the cache with the same level (and repeat) run with it (`Bench.variant`
     labels them); per pair: TTFT p50 with ÷ without (the issue's figure), E2E p50 and throughput likewise, and
@@ -269,7 +276,7 @@ def compare_prefix_cache(levels: list[dict]) -> dict:
         p50 = {side: s["latency_ms"]["ttft"]["p50"] for side, s in (("off", sa), ("on", sb))}
         e2e = {side: s["latency_ms"]["e2e"]["p50"] for side, s in (("off", sa), ("on", sb))}
         rows.append(dict(
-            level=key, base_level=_VARIANT.match(a["label"])["level"],
+            level=key, base_level=_level(a["label"]),
             completed_off=sa["completed"], completed_on=sb["completed"],
             ttft_p50_ms_off=p50["off"], ttft_p50_ms_on=p50["on"], ttft_p50_ratio=ratio(p50["on"], p50["off"]),
             e2e_p50_ms_off=e2e["off"], e2e_p50_ms_on=e2e["on"], e2e_p50_ratio=ratio(e2e["on"], e2e["off"]),

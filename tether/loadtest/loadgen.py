@@ -78,6 +78,7 @@ async def run_request(client: AsyncClient, req: BenchRequest, label: str, t0: fl
         return rec
     rec.e2e = time.perf_counter() - start
     result = stream.result
+    assert result is not None   # the stream ended without an error: it has its result
     rec.token_ids, rec.text, rec.finish_reason = list(result.token_ids), result.text, result.finish_reason
     rec.seed, rec.tags = result.seed, result.tags
     rec.prompt_tokens, rec.context_hash = result.receipt.prompt_tokens, result.receipt.context_hash

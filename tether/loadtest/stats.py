@@ -66,7 +66,7 @@ def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
     if not rec.ok:
         return False
     measured = {"ttft": rec.ttft, "tpot": rec.tpot, "e2e": rec.e2e}
-    return all(measured[m] is None or measured[m] * 1000 <= limit for m, limit in slo.items())
+    return all((v := measured[m]) is None or v * 1000 <= limit for m, limit in slo.items())
 
 
 def level_summary(records: Sequence[RequestRecord], wall_s: float, slo: dict[str, float] | None) -> dict:

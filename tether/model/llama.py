@@ -202,7 +202,8 @@ class ModelSlice(nn.Module):
         """The embedding (first stage) and the layers over `inputs` padded to `padded` rows, attention by
         `plan`; the real rows of the result."""
         rows = inputs.shape[0]
-        x = self.embed_tokens(pad_rows(inputs, padded)) if self.has_embedding else pad_rows(inputs.to(self.dtype), padded)
+        x = self.embed_tokens(pad_rows(inputs, padded)) if self.embed_tokens is not None else \
+            pad_rows(inputs.to(self.dtype), padded)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
         cos, sin = self.rotary.cos_sin(pad_rows(positions, padded), self.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads

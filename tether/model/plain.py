@@ -8,6 +8,8 @@ ModelSlice's paged path (tether/model/llama.py). `PlainSlice` runs a loaded Mode
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -78,9 +80,10 @@ class PerSlotAttention:
         row = 0
         for s in self.slots:  # each request attends to its own keys only
             rows = slice(row, row + s.length)
-            s.kv.write(layer, s.start, k[:, rows], v[:, rows])
+            kv = cast(KVCache, s.kv)   # a plain slot carries its contiguous KVCache, not paged KV
+            kv.write(layer, s.start, k[:, rows], v[:, rows])
             total = s.start + s.length
-            keys, values = s.kv.k[layer][:, :total], s.kv.v[layer][:, :total]
+            keys, values = kv.k[layer][:, :total], kv.v[layer][:, :total]
             mask = None
             if s.length > 1:
                 mask = (torch.arange(total)[None, :] <= torch.arange(s.start, total)[:, None])

@@ -113,7 +113,8 @@ class TileBatch:
         block, count = arena.block, tiles[0].count
         height = padded_rows(heads // kv_heads * count, pad=pad)
         offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
-        pair_tile, blocks, tags, first_pos = [], [], [], []
+        pair_tile, blocks, tags = [], [], []
+        starts: list[int] = []
         for n, t in enumerate(tiles):   # plain ints: a step's plan is mostly Python, keep it lean
             seen = ceil_div(t.position + count, block)
             if len(t.kv.blocks) < seen:
@@ -121,8 +122,8 @@ class TileBatch:
             pair_tile += [n] * seen
             blocks += t.kv.blocks[:seen]
             tags += t.kv.tags[:seen]
-            first_pos += range(t.position, t.position - seen * block, -block)   # position - j * block
-        columns = long_tensor(itertools.chain(pair_tile, blocks, tags, first_pos, (t.row * heads for t in tiles)))
+            starts += range(t.position, t.position - seen * block, -block)   # position - j * block
+        columns = long_tensor(itertools.chain(pair_tile, blocks, tags, starts, (t.row * heads for t in tiles)))
         pair_tile, pair_block, pair_serial, first_pos = columns[:-len(tiles)].view(4, -1)
         arena.verify(pair_block, pair_serial)
         q_index = columns[-len(tiles):, None, None] + offset                     # [tiles, kv_heads, height]

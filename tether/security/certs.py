@@ -99,6 +99,8 @@ def load_or_create_ca(folder: Path, days: int = settings.TLS_CA_DAYS
     if cert_path.exists() and key_path.exists():
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{key_path} is not an elliptic-curve key: not a CA `tether certs init` made")
         return cert, key, False
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"tether local CA ({settings.TLS_TRUST_DOMAIN})")])

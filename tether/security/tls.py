@@ -104,7 +104,9 @@ def from_args(args: argparse.Namespace) -> TlsConfig | None:
         raise ValueError(f"TLS needs --tls-ca, --tls-cert and --tls-key together; missing {', '.join(missing)} "
                          f"(or ${settings.TLS_CA_ENV}, ${settings.TLS_CERT_ENV}, ${settings.TLS_KEY_ENV})")
     require = getattr(args, "tls_client_auth", "require") == "require"
-    return TlsConfig.from_files(given["ca"], given["cert"], given["key"], require_client_auth=require)
+    ca, cert, key = given["ca"], given["cert"], given["key"]
+    assert ca and cert and key   # none missing: checked above
+    return TlsConfig.from_files(ca, cert, key, require_client_auth=require)
 
 
 def service_flags(folder: Path, name: str) -> list[str]:
