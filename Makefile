@@ -38,12 +38,15 @@ lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (servi
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Two test processes (pytest-xdist), each test file whole on one of them (its module-scoped cluster is started
-# once): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
-# TEST_WORKERS=0 runs everything in this process (a debugger, or -x on the first failure).
+# Two test processes (pytest-xdist), each test file whole on one of them (the shared cluster is started once per
+# process): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
+# TEST_WORKERS=0 runs everything in this process (a debugger, or -x on the first failure). The last line is the
+# whole command's wall time, from make's start: venv, packages, model and lint included.
 TEST_WORKERS ?= 2
-test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (~13 min on 2 cores; the longest files first)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+MAKE_STARTED := $(shell date +%s)
+test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (the longest files first); prints its wall time
+	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - $(MAKE_STARTED) )) s wall from make's start (setup included), exit $$rc"; exit $$rc
 
 # On the default model (SmolLM2-135M), 2 stages: this machine's 2 cores saturate near 0.3 req/s, so the sweep stays low.
 bench: setup  ## load sweep with audit and baselines on the default model, against a cluster this target starts (~15 min)
