@@ -88,10 +88,9 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 # Numerics every service, the reference and the benches default to (--dtype): "auto" is bfloat16 where the CPU
 # computes it natively and a start-up probe finds its kernels invariant unpadded, else float32 padded
 # (tether/model/numerics.py). A pipeline's stages must all choose the same (the handshake refuses a mix).
-# The default stays float32 for now: on smollm2, unpadded bf16 changed a decode row's logits among some
-# neighbours (3 of 12 random batches of 17-326 rows, |diff| 0.25) although every op class passed the probe
-# alone, so `auto` (which picks it here) is opt-in until the probe catches that (docs/PERFORMANCE.md).
-DTYPE = "float32"
+# bf16 runs padded like fp32: unpadded, a smollm2 decode row changed among some neighbours although every op
+# class passed the probe alone (docs/PERFORMANCE.md, "Numerics per machine").
+DTYPE = "auto"
 
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
 # neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of

@@ -16,7 +16,8 @@ What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "B
 
 - bf16 through oneDNN on a CPU with native bf16 (avx512_bf16, amx_bf16) needs none of this: its GEMM rows
   have the same bits for every row count and thread count. tether/model/numerics.py probes that at start-up
-  on the model's own shapes; a slice whose dtype passed runs unpadded (`ModelSlice.pad` False).
+  on the model's own shapes. Yet unpadded bf16 changed a smollm2 decode row among some neighbours, so every
+  slice still pads (`ModelSlice.pad`); bf16 padded was invariant in every case tried.
 
 Attention, the one op that mixes rows, is in tether/model/tiles.py.
 """
