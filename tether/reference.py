@@ -63,7 +63,7 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
 
 
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], params: common_pb2.SamplingParams,
-                 namespace: str = "", request_id: str = "", resume_ids: list[int] = ()) -> Sequence:
+                 namespace: str = "", request_id: str = "", resume_ids: list[int] | tuple[int, ...] = ()) -> Sequence:
     """Prefill the prompt, then decode one token at a time, exactly as the pipeline does for one request: the
     in-process engine with a batch of one (batch invariance makes that the served answer's bits). With
     `resume_ids`, a resumed request: those output tokens are taken as already produced (Sequence.resume)."""

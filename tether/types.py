@@ -7,7 +7,7 @@ from typing import Any
 
 from tether.v1 import common_pb2
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_STOP: "stop",

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import aclosing, asynccontextmanager
+from typing import NoReturn
 
 import grpc
 
@@ -167,7 +168,7 @@ class FrontDoor:
             self._auth_failed(outcome, got)
         request.tenant = got   # the face's own message: the tenant every later step reads
 
-    def _auth_failed(self, outcome: Outcome, error: AuthError) -> None:
+    def _auth_failed(self, outcome: Outcome, error: AuthError) -> NoReturn:
         outcome.auth_failed(error.reason, error.message)
         raise Rejected(error.code, error.message)
 
@@ -257,7 +258,7 @@ class FrontDoor:
         raise Rejected(code, message, retry_after_s)
 
     async def _generate(self, request: admission_pb2.GenerateRequest, a: Admitted, routed: Routed, call: Call,
-                        outcome: Outcome, arrived: float) -> AsyncIterator[Event]:
+                        outcome: Outcome, arrived: float) -> AsyncGenerator[Event, None]:
         """Yield the coordinator's events in order, the last one with its receipt; raise Rejected on any error.
         `arrived`: time.perf_counter() when the call reached admission (the latency metrics start there).
 

@@ -61,11 +61,12 @@ def admit(request: admission_pb2.GenerateRequest, limits: ModelLimits) -> tuple[
     tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
     try:
         sizes = (len(valid.prompt_token_ids), valid.sampling.max_tokens)
-        labels = dict(tenant=valid.tenant, priority=valid.priority, tokens_per_char=tokens_per_char)
         if valid.messages:   # its structure is given by the messages: tag that, not the rendered text
-            tags = tag_conversation(valid.messages, *sizes, **labels)
+            tags = tag_conversation(valid.messages, *sizes, tenant=valid.tenant, priority=valid.priority,
+                                    tokens_per_char=tokens_per_char)
         else:
-            tags = tag(valid.prompt, *sizes, **labels)
+            tags = tag(valid.prompt, *sizes, tenant=valid.tenant, priority=valid.priority,
+                       tokens_per_char=tokens_per_char)
     except Exception:   # noqa: BLE001 - a tagger bug must not cost the request: serve it untagged
         log.exception("tagger failed; serving the request with empty tags")
         tags = untagged(valid)

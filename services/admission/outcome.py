@@ -93,6 +93,7 @@ class RequestTrace:
         logs.TRACE_ID.set(tracing.trace_id(self.span) if self.traceparent else None)   # this task's lines
 
     def _child(self, name: str, started_ns: int, attributes: dict) -> tracing.Span:
+        assert tracing.TRACER is not None   # a request's spans exist only with tracing on
         return tracing.TRACER.start_span(name, context=tracing.child_of(self.span), attributes=attributes,
                                          start_time=started_ns)
 

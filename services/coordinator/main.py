@@ -89,7 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = CoordinatorServicer(driver, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
-    if registry is not None:
+    if registry is not None and observed is not None:   # metrics on
         servicer.metrics, driver.on_batch = observed, observed.on_batch
         loop = asyncio.get_running_loop()
         # the very Stats reply gRPC clients get, built on the loop that owns the driver's state

@@ -32,10 +32,11 @@ class RequestSpans:
     __slots__ = ("span", "phase", "phase_name", "traceparent", "trace_id", "outcome")
 
     def __init__(self, req: Request, parent: str, label: str) -> None:
-        attributes = {"tether.request_id": req.id, "tether.tenant": req.tenant, "tether.priority": req.priority,
-                      "gen_ai.request.max_tokens": req.seq.sampling.max_tokens,
-                      "gen_ai.request.temperature": req.seq.sampling.temperature,
-                      "gen_ai.usage.input_tokens": len(req.seq.all_ids)}
+        attributes: dict[str, str | int | float] = {
+            "tether.request_id": req.id, "tether.tenant": req.tenant, "tether.priority": req.priority,
+            "gen_ai.request.max_tokens": req.seq.sampling.max_tokens,
+            "gen_ai.request.temperature": req.seq.sampling.temperature,
+            "gen_ai.usage.input_tokens": len(req.seq.all_ids)}
         if label:
             attributes["tether.label"] = label
         self.span = tracing.start("coordinator request", tracing.parent(parent), tracing.SpanKind.SERVER, attributes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from typing import cast
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from tether import priority, settings
 from tether.protocol.hashing import hash_seed
 from tether.telemetry import logs, tracing
 from tether.telemetry.metrics import CoordinatorMetrics
-from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tether.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 # A TokenEvents message stays far under the 1 MiB both ends accept (settings.COORDINATOR_MAX_MESSAGE_BYTES).
@@ -33,7 +34,8 @@ def token_event(out: TokenOut, request_id: str = "") -> coordinator_pb2.TokenEve
     """A token the driver appended, as the wire sends it to admission (the request id only on a Session,
     where one stream carries every request)."""
     return coordinator_pb2.TokenEvent(request_id=request_id, index=out.index, token_id=out.token_id, text=out.text,
-                                      finish_reason=out.finish_reason, context_hash=out.context_hash)
+                                      finish_reason=cast(common_pb2.FinishReason, out.finish_reason),
+                                      context_hash=out.context_hash)
 
 
 @dataclass

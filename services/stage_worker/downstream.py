@@ -20,7 +20,7 @@ class Downstream:
     """`deliver` takes each merged reply (in the order the next stage answers); `fail` ends the upstream stream
     when the next stage fails. With a fault injector, forwarded frames pass through its OutboundFaults."""
 
-    def __init__(self, channel: Callable[[], grpc.aio.Channel | None], address: Callable[[], str],
+    def __init__(self, channel: Callable[[], grpc.aio.Channel | None], address: Callable[[], str | None],
                  injector: FaultInjector | None,
                  deliver: Callable[[stage_pb2.FrameReply], Awaitable[None]],
                  fail: Callable[[grpc.StatusCode, str], Awaitable[None]]) -> None:
@@ -86,7 +86,8 @@ class Downstream:
         if self._faulty is not None:
             await self._faulty.drain()
         await self.call.done_writing()
-        await self._reader
+        if self._reader is not None:
+            await self._reader
 
     def close(self) -> None:
         if self._faulty is not None:

@@ -208,7 +208,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                                 f"{peer} (limit {self.max_streams_per_peer} per peer, advertised at handshake)")
         self.open_streams += 1
         self.streams_by_peer[peer] += 1
-        relay = Relay(self, context, asyncio.current_task())
+        handler = asyncio.current_task()
+        assert handler is not None   # a grpc.aio handler runs in a task
+        relay = Relay(self, context, handler)
         self.relays.add(relay)
         tasks = [asyncio.create_task(relay.pump(request_iterator)), asyncio.create_task(relay.watch_idle())]
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -91,7 +92,8 @@ class StageWorker:
 
     def reject(self, slot: stage_pb2.Slot, reason: int, detail: str) -> stage_pb2.SlotResult:
         self.rejections[RejectReason.Name(reason)] += 1
-        return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False, reason=reason, detail=detail,
+        return stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=False,
+                                    reason=cast(stage_pb2.RejectReason, reason), detail=detail,
                                     stage_index=self.index)
 
     def reject_all(self, frame: stage_pb2.Frame, reason: int, detail: str) -> StepOutcome:

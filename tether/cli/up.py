@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,7 +26,7 @@ from tether.cli.supervisor import GaveUp, RestartPolicy, RollingRestart, Supervi
 
 # The demo on the default model (a real instruct model): questions as conversations, rendered by admission with
 # the model's chat template. Greedy unless a seed is given, so a run shows the same answers every time.
-DEMO_CHATS = [
+DEMO_CHATS: list[tuple[list[tuple[str, str]], dict[str, Any]]] = [
     ([("user", "What is the capital of France?")], dict(max_tokens=32)),
     ([("user", "Explain in under 30 words why the sky is blue.")], dict(max_tokens=64)),
     ([("user", "Give me three tips for staying focused while studying.")],
@@ -36,7 +37,7 @@ DEMO_CHATS = [
 # One multi-turn exchange: the first reply is fed back as the assistant's turn, then a follow-up.
 DEMO_FOLLOW_UP = ("What is the capital of France?", "What is the most famous tower there?")
 # Raw prompts for a model without a chat template (the random presets: their answers are noise).
-DEMO_PROMPTS = [
+DEMO_PROMPTS: list[tuple[str, dict[str, Any]]] = [
     ("请用不超过50字向老人解释血糖仪读数", dict(max_tokens=48)),
     ("Explain in under 30 words why the sky is blue.", dict(max_tokens=32)),
     ("Summarize: tether pins every activation to the request that produced it.",
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         cluster.start(timeout=args.timeout, supervisor=supervisor)
         for svc in cluster.services:
             metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
-            print(f"  {svc.name:<15} {svc.address}  (pid {svc.proc.pid}){metrics}", flush=True)
+            pid = svc.proc.pid if svc.proc is not None else "?"
+            print(f"  {svc.name:<15} {svc.address}  (pid {pid}){metrics}", flush=True)
         print(f"tether is up: send requests to {cluster.target}, e.g. "
               f"`tether generate --target {cluster.target} \"The capital of France is\"`. Ctrl-C stops it.", flush=True)
         if cluster.base_url:
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"`curl {cluster.base_url}/chat/completions -H 'content-type: application/json' "
                   f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'`",
                   flush=True)
-        if cluster.tls:
+        if cluster.tls and cluster.tls_dir is not None:   # start() made or read the folder
             print(f"TLS: certificates in {cluster.tls_dir}; clients verify the server with its CA "
                   f"(`tether generate --tls-ca {cluster.tls_dir / 'ca.pem'} ...`); operator.pem/.key may call Stats "
                   f"on the internal services", flush=True)

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -47,6 +48,9 @@ from tether.loadtest import audit
 from tether.loadtest.records import RequestRecord
 from tether.loadtest.results import ChaosCell, SpawnedRun, StageExit
 from tether.faults import FOLLOWED, KINDS, FaultConfig
+
+if TYPE_CHECKING:   # for the annotation only: the load tool does not start clusters on import
+    from tether.cli.cluster import LocalCluster
 
 # Per-frame rates when the plan names a kind without one: each kind fires several times in a run of a few
 # dozen requests, yet most requests stay within their rebuild budget (--max-rebuilds, 5) with the checks on.
@@ -188,7 +192,7 @@ def read_ledger(log_dir: Path) -> dict[tuple[str, int, int], dict]:
     "slipped"}, harmless}. `life` counts the service's restarts (a crashed stage's injector starts again at 1)."""
     faults: dict[tuple[str, int, int], dict] = {}
     for path in sorted(Path(log_dir).glob("*.log")):
-        life, seen = 0, set()
+        life, seen = 0, set[int]()
         for line in path.read_text(errors="replace").splitlines():
             if m := _RECORD.search(line):
                 if int(m[1]) in seen:
@@ -292,7 +296,7 @@ class StageSupervisor:
     SIGSEGV within a second of the fork, nothing logged). Those are retried and reported apart, never counted
     as injected crashes."""
 
-    cluster: object                       # tether.cli.cluster.LocalCluster
+    cluster: LocalCluster
     plan: ChaosPlan
     kind: str
     exits: list[StageExit] = field(default_factory=list)

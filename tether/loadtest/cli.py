@@ -12,6 +12,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -549,7 +550,7 @@ def run_one(args: argparse.Namespace, options: BenchOptions, argv: list[str], lm
     try:
         if cluster is not None:
             options = dataclasses.replace(options, base_url=cluster.base_url or "")
-        rep = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
+        rep: dict[str, Any] = dict(meta=meta(args, argv, target, lm, cluster), chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
         rep["meta"]["api"] = options.api if options.api == "grpc" else f"openai ({options.base_url})"
         bench = Bench(options, target, lm, workload, probe_of(args, cluster))
@@ -582,8 +583,8 @@ def run_compare(args: argparse.Namespace, options: BenchOptions, argv: list[str]
             clusters.append(start_cluster(args, cache, args.out / "logs" / ("cache-on" if cache else "cache-off")))
         off, on = (Bench(options, c.target, lm, workload, probe_of(args, c), name)
                    for c, name in zip(clusters, (cluster_stats.CACHE_OFF, cluster_stats.CACHE_ON)))
-        rep = dict(meta=meta(args, argv, f"{off.target} (without), {on.target} (with)", lm, clusters[1]),
-                   chaos=chaos.not_requested())
+        rep: dict[str, Any] = dict(meta=meta(args, argv, f"{off.target} (without), {on.target} (with)", lm,
+                                                  clusters[1]), chaos=chaos.not_requested())
         rep["meta"]["engine"] = engine_meta(args, workload)
         rep["levels"] = [lv.to_json() for lv in asyncio.run(compare_levels(options, args.compare_repeats, off, on))]
         rep["prefix_cache_compare"] = cluster_stats.compare_prefix_cache(rep["levels"])

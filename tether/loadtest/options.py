@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tether.loadtest import loadgen
 
@@ -20,7 +21,7 @@ class Credentials:
     tls_cert: str | None = None
     tls_key: str | None = None
 
-    def client_kwargs(self) -> dict[str, str | None]:
+    def client_kwargs(self) -> dict[str, Any]:
         return dict(api_key=self.api_key, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 

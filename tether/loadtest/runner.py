@@ -4,6 +4,7 @@ baselines."""
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 from collections.abc import Callable
 
@@ -121,7 +122,8 @@ class Bench:
         if self.options.audit:
             with baselines.torch_threads(AUDIT_THREADS):
                 audit_json = audit.audit_records(self.lm, run.records).to_json()
-        by_tag = {t: stats.breakdown(run.records, lambda r, t=t: r.tag(t), run.wall_s, slo) for t in BREAKDOWN_TAGS}
+        by_tag = {t: stats.breakdown(run.records, operator.methodcaller("tag", t), run.wall_s, slo)
+                  for t in BREAKDOWN_TAGS}
         engine = cpu = None
         if measured is not None:
             engine, cpu = measured["engine"], measured["cpu"]

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from tether.model.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, write_byte_t
 # 4: the tokenizer has ChatML's <|im_start|>/<|im_end|> as control tokens (ids 259, 260).
 GENERATOR_VERSION = 4
 
-_COMMON = dict(vocab_size=BYTE_VOCAB_SIZE, rms_norm_eps=1e-5, rope_theta=10000.0,
+_COMMON: dict[str, Any] = dict(vocab_size=BYTE_VOCAB_SIZE, rms_norm_eps=1e-5, rope_theta=10000.0,
                max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
 
 PRESETS: dict[str, ModelConfig] = {

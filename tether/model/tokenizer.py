@@ -85,7 +85,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos else ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def control_tokens(self, text: str) -> list[str]:
         """The control-token spellings `encode` would turn into control tokens in `text`, in order."""

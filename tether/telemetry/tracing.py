@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import Attributes
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def trace_id(span: Span) -> str | None:
 
 
 def start(name: str, parent_context=None, kind: SpanKind = SpanKind.INTERNAL,
-          attributes: Mapping[str, object] | None = None, links: Sequence[Link] | None = None) -> Span:
+          attributes: Attributes = None, links: Sequence[Link] | None = None) -> Span:
     """Start a span with the configured tracer (call only when TRACER is not None)."""
     assert TRACER is not None
     return TRACER.start_span(name, context=parent_context, kind=kind, attributes=attributes, links=links)
