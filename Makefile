@@ -41,10 +41,10 @@ lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (servi
 # Two test processes (pytest-xdist), each test file whole on one of them (the shared cluster is started once per
 # process): most of a service test is waiting on processes and sockets, so two halve the wall time on 2 cores.
 # TEST_WORKERS=0 runs everything in this process (a debugger, or -x on the first failure). The last line is the
-# whole command's wall time, from make's start: venv, packages, model and lint included.
+# whole command's wall time, from make's start: venv, packages, model and lint included. `make lint` runs first.
 TEST_WORKERS ?= 2
 MAKE_STARTED := $(shell date +%s)
-test: setup  ## the whole test suite (unit + services on loopback), in TEST_WORKERS processes (the longest files first); prints its wall time
+test: setup lint  ## lint and types first (they fail it), then the whole suite (unit + services on loopback) in TEST_WORKERS processes, longest files first; prints its wall time
 	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - $(MAKE_STARTED) )) s wall from make's start (setup included), exit $$rc"; exit $$rc
 

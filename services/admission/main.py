@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.admission.front_work import FrontWork, model_limits
 from services.admission.auth import ApiKeys
@@ -23,6 +24,9 @@ from tether.telemetry import logs, metrics
 from tether.model.loader import checked_fingerprint, resolve_model
 from tether.model.record import ModelFolderChanged
 from tether.v1 import admission_pb2, admission_pb2_grpc
+
+if TYPE_CHECKING:   # FastAPI and uvicorn are imported only when HTTP is served
+    from services.admission.openai_api.serve import HttpFace
 
 log = logging.getLogger("admission")
 SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name

@@ -167,22 +167,23 @@ async def _serve(door: FrontDoor, body: ChatCompletionRequest | CompletionReques
                                sep="\n", ping=settings.HTTP_SSE_PING_S)
 
 
-async def _leave(stack: AsyncExitStack, e: BaseException) -> None:
+async def _leave(stack: AsyncExitStack, e: BaseException) -> Rejected:
     """Leave the door's context with the exception the request ended with (its outcome records it); re-raise
-    it unless it is a Rejected, which the caller words as OpenAI's error."""
+    it unless it is a Rejected, which is returned for the caller to word as OpenAI's error."""
     try:
         await stack.__aexit__(type(e), e, e.__traceback__)
     except Rejected as raised:
         if raised is not e:
             raise
-        return
+        return raised
     if not isinstance(e, Rejected):
         raise e
+    return e
 
 
 async def _refused(stack: AsyncExitStack, e: BaseException, request_id: str) -> JSONResponse:
-    await _leave(stack, e)
-    return _error(*rejected_response(e), request_id=request_id)
+    rejected = await _leave(stack, e)
+    return _error(*rejected_response(rejected), request_id=request_id)
 
 
 async def _sse(shape: Shape, a, tags, first, events: AsyncIterator, stack: AsyncExitStack,
@@ -209,8 +210,8 @@ async def _sse(shape: Shape, a, tags, first, events: AsyncIterator, stack: Async
                 break
             event, receipt = await anext(events)
     except BaseException as e:   # a failure after the status line, the client gone (cancelled), or a bug
-        await _leave(stack, e)      # re-raises all but a Rejected
-        yield data(rejected_response(e)[1])   # a Rejected: an error event, and no [DONE]
+        rejected = await _leave(stack, e)      # re-raises all but a Rejected
+        yield data(rejected_response(rejected)[1])   # a Rejected: an error event, and no [DONE]
         return
     await stack.aclose()
     yield {"data": "[DONE]"}

@@ -54,8 +54,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)   # OpenAI's end-user label: logged nowhere, accepted
     n: Literal[1] = 1
-    presence_penalty: Literal[0, 0.0] | None = None
-    frequency_penalty: Literal[0, 0.0] | None = None
+    presence_penalty: Literal[0, 0.0] | None = None   # type: ignore[valid-type]  # pydantic checks a float literal; typing's take no floats
+    frequency_penalty: Literal[0, 0.0] | None = None  # type: ignore[valid-type]  # (the same)
     logprobs: Literal[False] | None = None
     # tether's own (extra_body)
     priority: str | None = None

@@ -11,9 +11,10 @@ import logging
 import socket
 import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.admission.openai_api.translate import error_body
 from tether import settings
@@ -45,7 +46,7 @@ class BodyLimit:
             return await self._refuse(send)
         seen = 0
 
-        async def bounded() -> dict:
+        async def bounded() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -77,7 +78,7 @@ class HttpFace:
 
     def __init__(self, app: ASGIApp, host: str, port: int, tls_files: tuple[str, str, str] | None = None,
                  require_client_auth: bool = False) -> None:
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if tls_files is not None:
             ca, cert, key = tls_files
             kwargs = dict(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca,

@@ -37,7 +37,7 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.ABORTED: (503, "service_unavailable_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
-FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_CONTEXT: "length",
+FINISH: dict[int, str] = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_CONTEXT: "length",
           common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_EOS: "stop"}
 
 
