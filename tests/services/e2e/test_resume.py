@@ -73,6 +73,8 @@ def two_admissions(cluster, tmp_path):
         port = free_port()
         argv = list(base.argv)
         argv[argv.index("--port") + 1] = str(port)
+        if "--http-port" in argv:   # the cluster's admission holds its HTTP port: each replica gets its own
+            argv[argv.index("--http-port") + 1] = str(free_port())
         svc = Service(f"admission-r{k}", argv, f"127.0.0.1:{port}")
         cluster.spawn(svc)
         replicas.append(svc)
