@@ -99,6 +99,11 @@ class Server:
         if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
         self.port = bound
+        self._stop = asyncio.Event()   # set by SIGINT/SIGTERM or request_stop()
+
+    def request_stop(self) -> None:
+        """Stop as on SIGTERM (e.g. a coordinator drained by a call that asked it to exit)."""
+        self._stop.set()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -111,8 +116,8 @@ class Server:
     async def wait_for_signal(self, grace_s: float = 5.0,
                               before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
         """Block until SIGINT/SIGTERM, then (after `before_stop`, e.g. a drain, while calls are still served)
-        stop accepting, let in-flight calls finish for `grace_s`."""
-        stop = asyncio.Event()
+        stop accepting, let in-flight calls finish for `grace_s`. `request_stop()` ends it as a signal would."""
+        stop = self._stop
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)

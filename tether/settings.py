@@ -70,7 +70,7 @@ MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before i
 # per request, each time waiting at most ADMISSION_RESUME_WAIT_S (and never past its deadline) for a pipeline.
 ADMISSION_RESUME_HOPS = 4
 ADMISSION_RESUME_WAIT_S = RECOVERY_WINDOW_S
-DRAIN_S = 10.0                  # a draining coordinator (SIGTERM) lets its requests finish this long, then hands
+DRAIN_S = 10.0                  # a draining coordinator (SIGTERM, Drain) lets its requests finish this long, then hands
                                 # the rest back to admission to continue elsewhere, then exits
 ADMISSION_RESUME_POLL_S = 0.2   # how often a dropped request asks the router again while no pipeline takes it
 PRIORITY_AGING_STEPS = 100  # engine steps a waiting request waits to rise one priority class: nothing starves

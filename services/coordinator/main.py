@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from services.coordinator.drain import Drain
 from services.coordinator.driver import Driver
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.server import CoordinatorServicer
@@ -56,16 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lifetime of a request whose caller set no deadline; past it the request ends with "
                         "DEADLINE_EXCEEDED and its state is released (default: %(default)s)")
     p.add_argument("--drain-seconds", type=float, default=settings.DRAIN_S, metavar="SECONDS",
-                   help="on SIGTERM: take no new request (the load report says draining, so admission routes "
-                        "elsewhere), let running ones finish this long, hand the rest back to admission to "
-                        "continue on another pipeline, then exit (default: %(default)s)")
+                   help="on SIGTERM, or a Drain call (`tether drain`) that names no deadline of its own: take no "
+                        "new request (the load report says draining, so admission routes elsewhere), let running "
+                        "ones finish this long, hand the rest back to admission to continue on another pipeline; "
+                        "then exit (after a Drain call only if it asks) (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="never start a request from the stages' prefix cache: every prompt is prefilled whole (for "
                         "comparisons; the stages still cache, and the KV accounting is unchanged)")
     add_experiment_flags(p, "the frames this coordinator sends")
     service_main.add_flags(p)
-    p.epilog = ("With TLS (mutual), Submit, Session, Cancel and Watch are taken from admission only and Stats from "
-                "an operator certificate (or admission); other callers get PERMISSION_DENIED. Its calls to the "
+    p.epilog = ("With TLS (mutual), Submit, Session, Cancel and Watch are taken from admission only, Stats and "
+                "Drain from an operator certificate (or admission); other callers get PERMISSION_DENIED. Its calls "
+                "to the "
                 "stages present --tls-cert (the coordinator identity), which is what they accept handshakes from.")
     return p
 
@@ -87,6 +90,10 @@ async def serve(args: argparse.Namespace) -> None:
     registry = metrics.new_registry() if args.metrics_port else None
     observed = metrics.CoordinatorMetrics(registry) if registry is not None else None
     servicer = CoordinatorServicer(driver, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)
+    # One drain for SIGTERM and the Drain RPC (services/coordinator/drain.py); a call that asks to exit stops the
+    # server as SIGTERM would, once drained.
+    drain = Drain(driver, args.drain_seconds, on_start=lambda: server.set_serving(False))
+    servicer.drain, servicer.on_drained_exit = drain, server.request_stop
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
     if registry is not None and observed is not None:   # metrics on
@@ -99,19 +106,8 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving(False)
     loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
-    async def drain() -> None:
-        """SIGTERM: no new work, what ends within --drain-seconds ends here, the rest is handed back."""
-        driver.draining = True
-        log.info("draining: %d request(s) active, up to %g s", len(driver.active()), args.drain_seconds)
-        deadline = asyncio.get_running_loop().time() + args.drain_seconds
-        while driver.active() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        handed = driver.hand_back()
-        if handed:
-            log.info("drained: %d request(s) handed back to admission", handed)
-        await asyncio.sleep(0.2)   # the Sessions write the hand-backs before the server stops
     try:
-        await server.wait_for_signal(before_stop=drain)
+        await server.wait_for_signal(before_stop=drain.wait)   # SIGTERM drains, then exits
     finally:
         loop_task.cancel()
         await pipeline.close()

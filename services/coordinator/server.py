@@ -1,17 +1,19 @@
 """The Coordinator gRPC service: Submit (stream tokens back), Session (many requests over one stream), Cancel,
-Stats."""
+Stats, Watch (services/coordinator/load.py) and Drain (services/coordinator/drain.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+import math
+from collections.abc import AsyncGenerator, Callable
 from typing import cast
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
 
+from services.coordinator.drain import Drain
 from services.coordinator.driver import DuplicateRequest, Driver, Failure
 from services.coordinator.load import LoadWatch
 from services.coordinator.pipeline import PipelineDown
@@ -55,6 +57,8 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.fingerprint = fingerprint
+        self.drain = Drain(driver, settings.DRAIN_S)   # main.py gives it --drain-seconds and the server's health
+        self.on_drained_exit: Callable[[], None] | None = None   # stops the process (a Drain that asks to exit)
 
     def _validate(self, request: coordinator_pb2.SubmitRequest) -> str | None:
         n = len(request.prompt_token_ids)
@@ -170,14 +174,30 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
     async def Cancel(self, request, context):
         return coordinator_pb2.CancelReply(found=self.driver.cancel(request.request_id))
 
+    async def Drain(self, request, context):
+        seconds = request.deadline_seconds
+        if not math.isfinite(seconds) or not 0 <= seconds <= settings.MAX_REQUEST_LIFETIME_S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"deadline_seconds must be 0 (the coordinator's --drain-seconds) to "
+                f"{settings.MAX_REQUEST_LIFETIME_S:g}, not {seconds!r}"))
+            return   # abort raises
+        started = self.drain.start(seconds)
+        log.info("Drain called by %s: %s", context.peer(), "started" if started else "already draining")
+        task = self.drain.task
+        if request.exit and self.on_drained_exit is not None and task is not None:
+            stop = self.on_drained_exit
+            task.add_done_callback(lambda _: stop())
+        return coordinator_pb2.DrainReply(draining=True, started=started, running=len(self.driver.active()),
+                                          deadline_seconds=self.drain.seconds_left())
+
     async def Stats(self, request, context):
         e, c = self.driver, self.driver.counters
         f, ledger = e.sched.figures, e.sched.ledger
         return coordinator_pb2.StatsReply(
-            serving=e.serving, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
+            serving=e.serving and not e.draining, draining=e.draining, model_fingerprint=self.fingerprint, num_stages=e.pipeline.num_stages,
             running=len(e.sched.running), waiting=len(e.sched.waiting), tokens_generated=c.tokens,
             requests_finished=c.finished, requests_failed=c.failed, slots_rejected=sum(c.rejections.values()),
-            pipeline_epoch=e.pipeline.epoch, status=e.status, max_context=self.cfg.max_position_embeddings,
+            pipeline_epoch=e.pipeline.epoch, status="draining" if e.draining else e.status, max_context=self.cfg.max_position_embeddings,
             rejections=dict(c.rejections), rebuilds=c.rebuilds, resumes=c.resumes, recovered=c.recovered,
             pipeline_reconnects=c.reconnects, stamp_checks=e.stamp_checks,
             faults_injected={k: v for k, v in e.pipeline.faults.counts.items() if v},

@@ -62,7 +62,10 @@ def stage_forward(who: Identity, request: Any, state: Any) -> str | None:
 STAGE = {"Handshake": stage_handshake, "Forward": stage_forward, "SyncState": only("coordinator"),
          "Release": only("coordinator"), "Stats": only("coordinator", "operator")}
 COORDINATOR = {"Submit": only("admission"), "Session": only("admission"), "Cancel": only("admission"),
-               "Watch": only("admission"), "Stats": only("operator", "admission")}
+               "Watch": only("admission"), "Stats": only("operator", "admission"),
+               # taking a pipeline out of service: an operator (`tether drain`) or admission, never a client or a
+               # pipeline's own pods (a stage, or a coordinator draining another)
+               "Drain": only("operator", "admission")}
 POLICIES = {"tether.v1.Stage": STAGE, "tether.v1.Coordinator": COORDINATOR}
 
 

@@ -70,6 +70,12 @@ def test_coordinator_stats_from_operator_or_admission():
     assert [w for w in EVERYONE if allowed("/tether.v1.Coordinator/Stats", w)] == [ADMISSION, OPERATOR]
 
 
+def test_coordinator_drain_from_operator_or_admission_never_a_client_a_stage_or_a_coordinator():
+    assert [w for w in EVERYONE if allowed("/tether.v1.Coordinator/Drain", w)] == [ADMISSION, OPERATOR]
+    d = decide("/tether.v1.Coordinator/Drain", CLIENT)
+    assert not d.allowed and "may not call Drain" in d.reason and "operator or admission" in d.reason
+
+
 def test_health_and_reflection_open_to_every_authenticated_peer_only():
     for m in ("/grpc.health.v1.Health/Check", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
         assert all(allowed(m, w) for w in EVERYONE)
