@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "missing under the same CA (a folder made before server names existed needs a fresh one).",
         epilog="Give each service its files with --tls-ca DIR/ca.pem --tls-cert DIR/NAME.pem --tls-key DIR/NAME.key "
                "(or TETHER_TLS_CA/CERT/KEY). operator may call Stats on the coordinator and the stages (tether "
-               "bench, dashboards); client is for callers of the public port when it requires certificates.")
+               "bench, dashboards) and drain a coordinator (tether drain --tls-dir DIR); client is for callers of the public port when it requires certificates.")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     init = sub.add_parser("init", help="make the CA and the certificates",
                           description="Make the CA and every service's certificate in DIR.")

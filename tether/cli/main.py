@@ -21,6 +21,8 @@ COMMANDS = {
     "tag": ("show the intent tags admission would give a prompt (no generation)", "tether.cli.generate"),
     "keys": ("make an API key for a tenant (the lines for admission's --tenants FILE)", "tether.cli.keys"),
     "bench": ("load-test a cluster: throughput, latency, fidelity audit, baselines", "tether.loadtest.cli"),
+    "drain": ("take one pipeline out of service: its coordinator finishes or hands back what it holds",
+              "tether.cli.drain"),
     "certs": ("make a local CA and a certificate per service (`tether certs init DIR`, for --tls)",
               "tether.cli.certs"),
     "stage": ("run one stage worker (as a container would)", None),

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         if cluster.tls and cluster.tls_dir is not None:   # start() made or read the folder
             print(f"TLS: certificates in {cluster.tls_dir}; clients verify the server with its CA "
                   f"(`tether generate --tls-ca {cluster.tls_dir / 'ca.pem'} ...`); operator.pem/.key may call Stats "
-                  f"on the internal services", flush=True)
+                  f"on the internal services and drain a coordinator (`tether drain --tls-dir {cluster.tls_dir}`)", flush=True)
         if args.demo:
             run_demo(cluster.target, args.model, cluster.tls_dir if cluster.tls else None)
         rolling: RollingRestart | None = None
