@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import re
 import tomllib
 from pathlib import Path
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tether import settings
+from services.coordinator import drain
+from tether import grpcutil, settings
 from tether.cli.cluster import default_metrics_ports, service_commands
 from tether.cli.main import SERVICE_MODULES
 from tether.model.config import parse_layers
@@ -402,6 +404,22 @@ def test_ports_probes_and_scrape_annotations(docs, kind_name):
     assert notes["prometheus.io/path"] == "/metrics"
 
 
+def _drain_fits_the_grace_period(pod_spec: dict, coordinator: dict, argv: list[str]) -> None:
+    """Deleting a pod drains its coordinator by SIGTERM, with no preStop hook in front (coordinator.yaml says why),
+    and the kubelet's SIGKILL comes only after the drain, the hand-back's flush and the gRPC grace."""
+    assert "preStop" not in coordinator.get("lifecycle", {}), "SIGTERM drains: a preStop hook would only delay it"
+    ns = importlib.import_module("services.coordinator.main").build_parser().parse_args(argv[1:])
+    grpc_grace_s = inspect.signature(grpcutil.Server.wait_for_signal).parameters["grace_s"].default
+    needed = ns.drain_seconds + drain.FLUSH_S + grpc_grace_s
+    assert pod_spec.get("terminationGracePeriodSeconds", 30) > needed   # 30: Kubernetes' default
+
+
+def test_deleting_the_coordinator_pod_drains_it_within_the_grace_period(docs):
+    w = one(docs, *COORD)
+    (c,) = _workload_containers(w)
+    _drain_fits_the_grace_period(w["spec"]["template"]["spec"], c, _argv(docs, COORD))
+
+
 def _health_probe_port(probe: dict, secure: bool) -> int:
     """The gRPC port a health probe checks: the kubelet's grpc probe (plaintext shape) or tether.cli.healthcheck
     on the pod's loopback (TLS: it reads the container's TETHER_TLS_* variables)."""
@@ -556,6 +574,7 @@ def test_autoscaled_pipeline_pods_are_whole_pipelines_scaled_on_the_queue():
         assert {p["containerPort"] for p in c["ports"]} == {int(mine["--port"]), int(mine["--metrics-port"])}
         importlib.import_module("services.stage_worker.main").build_parser().parse_args(argv[1:])
     argv = [_expand(a, _env(docs, coord)) for a in coord["args"]]
+    _drain_fits_the_grace_period(pod["spec"], coord, argv)
     mine, theirs = _flags(argv[1:]), _flags(reference["coordinator"])
     assert _same_but_hosts(mine, theirs), \
         "the pod's coordinator routes to its own stage containers exactly as `tether up` does"
