@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from tether import settings
-from tether.security import identity
+from tether.security import certs, identity
 from tether.security.tls import client_channel_credentials
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -56,7 +56,7 @@ def _channel(target: str, tls_dir: Path | None) -> grpc.Channel:
     options: list[tuple[str, str | int]] = [("grpc.enable_http_proxy", 0)]
     if tls_dir is None:
         return grpc.insecure_channel(target, options=options)
-    creds = client_channel_credentials(tls_dir / "ca.pem", tls_dir / "operator.pem", tls_dir / "operator.key")
+    creds = client_channel_credentials(certs.ca_path(tls_dir), tls_dir / "operator.pem", tls_dir / "operator.key")
     # Only a certificate with the coordinator identity's name passes: a drain is never sent to anyone else.
     options.append(("grpc.ssl_target_name_override", identity.COORDINATOR.server_name))
     return grpc.secure_channel(target, creds, options=options)
