@@ -1,9 +1,14 @@
-"""Small helpers that several test files share: a clock the test moves by hand, whether a process lives, and a
-model fed one request chunk by chunk."""
+"""Small helpers that several test files share: a clock the test moves by hand, whether a process lives, what a
+live cluster's stages and coordinator hold, and a model fed one request chunk by chunk."""
 
 from __future__ import annotations
 
 import os
+
+import grpc
+
+from tether.cli.cluster import LocalCluster
+from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 
 class Clock:
@@ -27,6 +32,24 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def stage_state(cluster: LocalCluster) -> list[tuple[int, int]]:
+    """(requests held, KV tokens used) of each stage of a live cluster, from its Stats."""
+    out = []
+    for svc in cluster.services:
+        if svc.name.startswith("stage"):
+            with grpc.insecure_channel(svc.address) as ch:
+                s = stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5)
+            out.append((s.requests_held, s.kv_used_tokens))
+    return out
+
+
+def coordinator_running(cluster: LocalCluster) -> tuple[int, int]:
+    """(running, waiting) requests of a live cluster's coordinator, from its Stats."""
+    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
+        s = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
+    return s.running, s.waiting
 
 
 def run_chunks(slices, ids: list[int], chunks: list[int]):

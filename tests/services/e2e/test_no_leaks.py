@@ -8,23 +8,13 @@ import time
 
 import grpc
 
+from tests.helpers import coordinator_running, stage_state
 from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient, TetherError
-from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 EXPLICIT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
             grpc.StatusCode.CANCELLED}
-
-
-def _stage_state(cluster: LocalCluster) -> list[tuple[int, int]]:
-    out = []
-    for svc in cluster.services:
-        if svc.name.startswith("stage"):
-            with grpc.insecure_channel(svc.address) as ch:
-                s = stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5)
-            out.append((s.requests_held, s.kv_used_tokens))
-    return out
 
 
 def _wait_drained(cluster: LocalCluster, timeout: float = 30.0) -> None:
@@ -33,16 +23,14 @@ def _wait_drained(cluster: LocalCluster, timeout: float = 30.0) -> None:
     state: object = None
     while True:
         try:
-            state = _stage_state(cluster)
+            state = stage_state(cluster)
             if state == [(0, 0)] * (len(cluster.services) - 2):
                 break
         except grpc.RpcError as e:
             state = e.code()
         assert time.monotonic() < deadline, f"stages still hold (requests, KV tokens): {state}"
         time.sleep(0.2)
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        stats = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
-    assert (stats.running, stats.waiting) == (0, 0)
+    assert coordinator_running(cluster) == (0, 0)
 
 
 async def _one(target: str, prompt: str, max_tokens: int, mode: str, started: asyncio.Event,

@@ -14,17 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import httpx2 as httpx
 import openai
 import pytest
 
 from services.admission.auth import key_digest
+from tests.helpers import stage_state, coordinator_running
 from tether import reference
 from tether.cli.cluster import LocalCluster, free_port
 from tether.client.wire import encode_messages
 from tether.protocol.hashing import messages_digest, prompt_digest
-from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 KEY = "tk_test-acme-" + "a" * 32
 KEY_LIMITED = "tk_test-limited-" + "l" * 32
@@ -243,24 +242,6 @@ def test_rate_limit_is_429_with_retry_after_that_the_client_honours(cluster):
     assert [s for s, _, _ in seen] == [429, 200], seen          # refused once (the bucket is still empty), then served
     waited, asked = seen[1][1] - seen[0][1], int(seen[0][2]) / 1000
     assert waited >= 0.9 * asked, f"the client retried after {waited:.2f} s; Retry-After asked {asked:.2f} s"
-
-
-def _stage_state(cluster: LocalCluster) -> list[tuple[int, int]]:
-    out = []
-    for svc in cluster.services:
-        if svc.name.startswith("stage"):
-            with grpc.insecure_channel(svc.address) as ch:
-                s = stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5)
-            out.append((s.requests_held, s.kv_used_tokens))
-    return out
-
-
-def _coordinator_running(cluster: LocalCluster) -> tuple[int, int]:
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        s = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
-    return s.running, s.waiting
-
-
 def test_a_dropped_stream_is_cancelled_and_released_everywhere(cluster):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
             "temperature": 0, "stream": True}
@@ -270,11 +251,11 @@ def test_a_dropped_stream_is_cancelled_and_released_everywhere(cluster):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(8)]   # a few tokens in: the request is running on every stage
             assert any(line.startswith("data: ") for line in got)
-            assert _coordinator_running(cluster)[0] == 1
+            assert coordinator_running(cluster)[0] == 1
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
-    while (_stage_state(cluster), _coordinator_running(cluster)) != ([(0, 0), (0, 0)], (0, 0)):
-        assert time.monotonic() < deadline, (_stage_state(cluster), _coordinator_running(cluster))
+    while (stage_state(cluster), coordinator_running(cluster)) != ([(0, 0), (0, 0)], (0, 0)):
+        assert time.monotonic() < deadline, (stage_state(cluster), coordinator_running(cluster))
         time.sleep(0.1)
 
 
