@@ -21,7 +21,7 @@ from tether import service_main, settings, supervise
 from tether.argtypes import positive_int
 from tether.grpcutil import Server
 from tether.telemetry import logs, metrics
-from tether.model.loader import checked_fingerprint, resolve_model
+from tether.model.folder import checked_fingerprint, resolve_model
 from tether.model.record import ModelFolderChanged
 from tether.v1 import admission_pb2, admission_pb2_grpc
 

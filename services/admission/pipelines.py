@@ -26,7 +26,7 @@ from services.admission.limits import Refusal, shed_by_deadline
 from services.admission.routing import NoPipeline, PipelineLoad, RouteRequest, Router, predicted_wait_s
 from tether import settings, supervise
 from tether.grpcutil import channel
-from tether.model import numerics
+from tether.model import dtypes
 from tether.security import identity, server_check
 from tether.security.tls import TlsConfig
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -119,7 +119,7 @@ class PipelineLink:
     def report(self, r: coordinator_pb2.LoadReport) -> None:
         if not r.serving:
             serving, why = False, f"coordinator not serving: {r.status or 'no reason given'}"
-        elif numerics.model_part(r.model_fingerprint) != self.fingerprint:
+        elif dtypes.model_part(r.model_fingerprint) != self.fingerprint:
             # its tokenizer and receipts would not match ours: routing there would give wrong answers
             serving, why = False, f"coordinator serves model {r.model_fingerprint}, admission loaded {self.fingerprint}"
         else:

@@ -9,7 +9,7 @@ import asyncio
 from services.coordinator.driver import Driver
 from services.coordinator.ledger import UNBOUNDED
 from tether import settings
-from tether.model import numerics
+from tether.model import dtypes
 from tether.v1 import coordinator_pb2
 
 DEFAULT_INTERVAL_S = 0.25
@@ -31,7 +31,7 @@ def load_report(driver: Driver, fingerprint: str, max_context: int) -> coordinat
     return coordinator_pb2.LoadReport(
         serving=driver.serving and not driver.draining, draining=driver.draining,
         status="draining" if driver.draining else driver.status,
-        model_fingerprint=numerics.served_fingerprint(fingerprint, driver.pipeline.served_dtype),
+        model_fingerprint=dtypes.served_fingerprint(fingerprint, driver.pipeline.served_dtype),
         running=len(s.running), waiting=len(s.waiting), preempted=s.num_preempted,
         kv_blocks_total=total, kv_blocks_free=max(0, ledger.pool.available) if total else 0,
         kv_block_tokens=ledger.block, max_context=max_context, step_seconds=driver.step_seconds,

@@ -13,8 +13,8 @@ from services.coordinator.server import CoordinatorServicer
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig
-from tether.model import numerics
-from tether.model.loader import checked_fingerprint, load_model_tokenizer, resolve_model
+from tether.model import dtypes
+from tether.model.folder import checked_fingerprint, load_model_tokenizer, resolve_model
 from tether.security import authz
 from tether.telemetry import logs, metrics
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--stages", required=True,
                    help="the route: comma-separated HOST:PORT of the stage workers, first layers first")
-    p.add_argument("--dtype", default=settings.DTYPE, choices=numerics.CHOICES,
+    p.add_argument("--dtype", default=settings.DTYPE, choices=dtypes.CHOICES,
                    help="dtype the stages must run; auto: whatever they chose, the same on every stage "
                         "(default: %(default)s)")
     p.add_argument("--max-batch-slots", type=int, default=settings.MAX_BATCH_SLOTS,
@@ -78,7 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     fingerprint = checked_fingerprint(folder)   # refuses a folder changed since tether made it
     addresses = [a.strip() for a in args.stages.split(",") if a.strip()]
-    pipeline = Pipeline(addresses, fingerprint, "" if args.dtype == numerics.AUTO else args.dtype, FaultInjector(args.fault_config), tls=args.tls)
+    pipeline = Pipeline(addresses, fingerprint, "" if args.dtype == dtypes.AUTO else args.dtype, FaultInjector(args.fault_config), tls=args.tls)
     guard = [authz.AuthzInterceptor()] if args.tls is not None else []   # who may call what (mutual TLS only)
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"],
                              max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=args.tls,

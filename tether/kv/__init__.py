@@ -1,6 +1,2 @@
-"""Per-request KV state: the paged arena, each request's block table, and the block pool that bounds it."""
-
-from tether.kv.blocks import NoCapacity
-from tether.kv.paged import BlockArena, PagedKV
-
-__all__ = ["BlockArena", "NoCapacity", "PagedKV"]
+"""Per-request KV state: the paged arena (paged.py, torch), each request's block table, and the block pool that
+bounds it (blocks.py, pure Python: the coordinator's ledger uses it without torch). Nothing is imported here."""

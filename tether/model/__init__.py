@@ -1,9 +1,5 @@
-"""The Llama-architecture decoder, its loader, presets and tokenizers."""
+"""The Llama-architecture decoder, its loader, presets and tokenizers.
 
-from tether.model.config import ModelConfig
-from tether.model.llama import ModelSlice
-from tether.model.loader import load_slice, model_fingerprint, resolve_model
-from tether.model.tokenizer import Tokenizer, load_tokenizer
-
-__all__ = ["ModelConfig", "ModelSlice", "load_slice", "model_fingerprint", "resolve_model",
-           "Tokenizer", "load_tokenizer"]
+Nothing is imported here: admission and the coordinator read a model's folder, tokenizer and chat template
+without torch (tether/model/folder.py), so a package import must not pull in the decoder.
+"""

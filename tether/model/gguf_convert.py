@@ -12,16 +12,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from tether.model.tokenizer import _bytes_to_unicode
 
-if TYPE_CHECKING:   # imported where used: `gguf` is only needed when a conversion runs
+if TYPE_CHECKING:   # imported where used: `gguf`, numpy and torch are only needed when a conversion runs (the
+    import torch     # model's folder name, CONVERTER_VERSION, is read by services that never load torch)
     from gguf import GGUFReader
 
 # Bump when the output of the conversion changes, so cached folders are regenerated.
@@ -107,6 +105,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def hf_weights(reader: "GGUFReader", cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    import numpy as np
+    import torch
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
@@ -150,6 +150,8 @@ def hf_tokenizer(reader: "GGUFReader") -> tuple[HFTokenizer, list[str]]:
 def convert(gguf_path: str | Path, dest: str | Path, dtype: str = "float32") -> Path:
     """Write the HF folder for `gguf_path` into `dest` (created; files overwritten)."""
     import gguf
+    import torch
+    from safetensors.torch import save_file
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)

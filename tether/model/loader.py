@@ -1,65 +1,20 @@
-"""Load a model slice from a Hugging Face folder (config.json + *.safetensors) and fingerprint the model."""
+"""Load a model slice from a Hugging Face folder (config.json + *.safetensors); the folder itself (which one a name
+means, its fingerprint, its tokenizer) is tether/model/folder.py, re-exported here for the stage and tests."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-import xxhash
 from safetensors import safe_open
 
 from tether.model.config import ModelConfig
+from tether.model.folder import (checked_fingerprint, load_model_tokenizer, model_fingerprint, resolve_model,
+                                 weight_files)
 from tether.model.llama import ModelSlice
-from tether.model import record, smollm2
 from tether.model.numerics import DTYPES, resolve
-from tether.model.presets import PRESETS, ensure_preset
-from tether.model.tokenizer import Tokenizer, load_tokenizer
 
-
-
-def resolve_model(model: str) -> Path:
-    """'smollm2' (the real default model), a random preset ('tiny', 'small', 'base': tests and kernel
-    benchmarks) or a path to a Hugging Face folder -> the folder."""
-    if model == smollm2.NAME:
-        return smollm2.ensure()
-    if model in PRESETS:
-        return ensure_preset(model)
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model {model!r} is neither {smollm2.NAME}, a preset ({', '.join(PRESETS)}) "
-                                f"nor a folder with config.json")
-    return path
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-    return files
-
-
-def model_fingerprint(folder: str | Path) -> str:
-    """xxh3-64 over the canonical config and every weight file's bytes: equal only for the same model."""
-    folder = Path(folder)
-    h = xxhash.xxh3_64()
-    h.update(json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True).encode())
-    for f in _weight_files(folder):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def checked_fingerprint(folder: str | Path) -> str:
-    """model_fingerprint(folder), after checking the folder against the record tether wrote when it made it
-    (tether/model/record.py): what a service calls when it loads its model. Raises record.ModelFolderChanged
-    (a ValueError) for a folder changed since."""
-    folder = Path(folder)
-    fingerprint = model_fingerprint(folder)
-    record.check(folder, fingerprint)
-    return fingerprint
+__all__ = ["checked_fingerprint", "load_model_tokenizer", "load_slice", "model_fingerprint", "resolve_model"]
 
 
 def _slice_key(name: str, start: int, end: int, cfg: ModelConfig) -> str | None:
@@ -91,7 +46,7 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
     dtype = resolve(dtype, cfg)
     model = ModelSlice(cfg, layer_start, end, DTYPES[dtype])
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(folder):
+    for f in weight_files(folder):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 key = _slice_key(name, layer_start, end, cfg)
@@ -108,8 +63,3 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
                          f"[{layer_start}, {end}), e.g. {sorted(missing)[:3]}")
     model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, strict=True)
     return model
-
-
-def load_model_tokenizer(folder: str | Path) -> Tokenizer:
-    cfg = ModelConfig.from_folder(folder)
-    return load_tokenizer(folder, cfg.eos_token_ids, cfg.bos_token_id)

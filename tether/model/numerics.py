@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from tether.model.config import ModelConfig
+from tether.model.dtypes import AUTO, CHOICES, NAMES, model_part, served_fingerprint  # noqa: F401 - re-exported
 
-AUTO = "auto"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHOICES = (AUTO, *DTYPES)
+assert tuple(DTYPES) == NAMES
 # CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean native bf16 dot products.
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # Row counts the probe compares against the rows of one larger batch: 1 and the small counts where fp32 MKL
@@ -36,17 +36,6 @@ PROBE_ROWS = (1, 2, 3, 5, 8, 17, 48)
 def name_of(dtype: torch.dtype) -> str:
     """The --dtype (and handshake) name of a torch dtype."""
     return next(name for name, t in DTYPES.items() if t == dtype)
-
-
-def served_fingerprint(model_fingerprint: str, dtype: str) -> str:
-    """The fingerprint a receipt names and admission checks: the model's and the numerics it is computed in
-    (the same weights in bfloat16 and float32 give different logits, so different answers)."""
-    return f"{model_fingerprint}-{dtype}"
-
-
-def model_part(served: str) -> str:
-    """The model's own fingerprint in a `served_fingerprint` (what admission compares with its folder's)."""
-    return served.rsplit("-", 1)[0]
 
 
 def choose_dtype(flags: Iterable[str], bf16_invariant: Callable[[], bool]) -> str:

@@ -9,16 +9,16 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
 
 from tether import settings
 from tether.model.chat_template import CHATML_TEMPLATE
 from tether.model.config import ModelConfig
 from tether.model.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, write_byte_tokenizer
+
+if TYPE_CHECKING:   # torch only where a preset's weights are generated: admission and the coordinator
+    import torch     # resolve a preset's folder without loading torch
 
 # Bump when the generator changes, so old folders are not mistaken for new ones.
 # 3: tokenizer_config.json carries a ChatML chat_template (conversations).
@@ -49,6 +49,8 @@ def preset_path(name: str) -> Path:
 
 def generate_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights in Hugging Face Llama naming, deterministic for (cfg, seed)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     std = 0.02
@@ -85,13 +87,14 @@ def ensure_preset(name: str) -> Path:
     try:
         cfg = PRESETS[name]
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True))
+        from safetensors.torch import save_file
         save_file(generate_weights(cfg, PRESET_SEED), str(tmp / "model.safetensors"))
         write_byte_tokenizer(tmp)
         # A chat template, so presets take conversations like a real instruct model (tether/model/chat_template.py).
         tcfg_path = tmp / "tokenizer_config.json"
         tcfg_path.write_text(json.dumps({**json.loads(tcfg_path.read_text()), "chat_template": CHATML_TEMPLATE}))
         from tether.model import record
-        from tether.model.loader import model_fingerprint   # (loader imports this module)
+        from tether.model.folder import model_fingerprint   # (folder imports this module)
         record.write(tmp, model_fingerprint(tmp))   # what every service checks the folder against when it loads
         try:
             os.rename(tmp, dest)
