@@ -63,6 +63,7 @@ MAX_BATCH_SLOTS = 32        # requests per micro-batch
 MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled in chunks of what fits
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
+PEER_RECONNECT_BACKOFF_MAX_S = 2.0   # the longest a service-to-service channel waits between connection attempts
 RECOVERY_WINDOW_S = 30.0    # in-flight requests wait this long for a broken pipeline to come back, then fail
 MAX_REBUILDS = 5            # rebuilds + resumes of one request's state before it fails with ABORTED
 # Admission continues a request a pipeline dropped (its Session broke, UNAVAILABLE, handed back while draining)

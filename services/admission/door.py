@@ -59,8 +59,9 @@ class FrontDoor:
                  max_lifetime_s: float = settings.MAX_REQUEST_LIFETIME_S,
                  tag_budget_s: float = settings.TAG_BUDGET_S, work: FrontWork | None = None,
                  metrics: AdmissionMetrics | None = None, tenant_limits: TenantLimits | None = None,
-                 api_keys: ApiKeys | None = None) -> None:
+                 api_keys: ApiKeys | None = None, resume_wait_s: float = settings.ADMISSION_RESUME_WAIT_S) -> None:
         self.pipelines = pipelines
+        self.resume_wait_s = resume_wait_s   # --resume-wait: how long a dropped request waits for a pipeline
         self.tenant_limits = tenant_limits or TenantLimits()   # no file: no tenant is limited
         self.api_keys = api_keys or ApiKeys()                  # no key configured: the body's tenant stands
         self.model = model
@@ -300,7 +301,7 @@ class FrontDoor:
 
     async def _take_over(self, a: Admitted, call: Call, dropped: "Dropped", dropped_by: str) -> Routed:
         """A pipeline for a request another dropped: asked again every ADMISSION_RESUME_POLL_S while none takes
-        it, for at most ADMISSION_RESUME_WAIT_S and never past the caller's deadline; else the status the caller
+        it, for at most `resume_wait_s` (--resume-wait) and never past the caller's deadline; else the status the caller
         would have got from the pipeline that dropped it (Rejected)."""
         valid, tags = a.valid, a.tags
         req = RouteRequest(len(valid.prompt_token_ids), tags.output_budget, tags.size_class, tags.priority,
@@ -308,7 +309,7 @@ class FrontDoor:
         loop = asyncio.get_running_loop()
         # A pipeline that answered UNAVAILABLE already waited out its recovery window: only a pipeline that
         # serves now takes it over. One whose stream broke (a coordinator that died) may be back in a moment.
-        wait_s = 0.0 if dropped.reason == "unavailable" else settings.ADMISSION_RESUME_WAIT_S
+        wait_s = 0.0 if dropped.reason == "unavailable" else self.resume_wait_s
         give_up = loop.time() + wait_s
         remaining = call.time_remaining()
         if remaining is not None:

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-seconds", type=float, default=settings.MAX_REQUEST_LIFETIME_S,
                    help="lifetime of a request whose caller set no deadline; past it the call ends with "
                         "DEADLINE_EXCEEDED (default: %(default)s)")
+    p.add_argument("--resume-wait", type=float, default=settings.ADMISSION_RESUME_WAIT_S, metavar="SECONDS",
+                   help="how long a request its pipeline dropped (a coordinator died or handed it back) waits for "
+                        "a pipeline to continue it on, within its deadline, before it fails with the pipeline's "
+                        "status (default: %(default)s, the coordinators' recovery window)")
     service_main.add_flags(p, public=True, log_levels=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--reflection", action="store_true",
                    help="serve gRPC server reflection on this public port (off by default: it lists every method to "
@@ -128,7 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
                     reflection_on=args.reflection)
     registry = metrics.new_registry() if args.metrics_port else None
     door = FrontDoor(pipelines, limits, fingerprint, args.max_concurrent, args.max_request_seconds, work=work,
-                     tenant_limits=tenant_limits, api_keys=api_keys)
+                     tenant_limits=tenant_limits, api_keys=api_keys, resume_wait_s=args.resume_wait)
     door.model_name = os.path.basename(os.path.normpath(args.model)) or args.model   # "tiny", a folder's name
     if registry is not None:
         registry.register(metrics.PipelinesCollector(pipelines))

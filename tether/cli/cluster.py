@@ -11,6 +11,7 @@ services (docs/PROTOCOL.md, "Transport security").
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,8 +69,38 @@ class StartupSupervisor(Protocol):
     def poll(self, now: float) -> None: ...
 
 
+# Free ports are drawn below the kernel's ephemeral range: a port the kernel hands out (bind to 0) is in that range,
+# where every outgoing connection also takes its local port, so between our check and the child's bind a client
+# socket could take it ("Address already in use", seen under test load). Below the range only another picker can.
+FREE_PORT_FLOOR = 10_000
+_handed_out: set[tuple[str, int]] = set()
+_random = random.SystemRandom()   # independent draws in parallel processes (no shared seed)
+
+
+def ephemeral_floor(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel picks for outgoing connections (32768 where it cannot be read)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port on `host` nothing listens on, below the ephemeral range, not handed out before by this process."""
+    top = ephemeral_floor()
+    for _ in range(64 if top > FREE_PORT_FLOOR + 1000 else 0):
+        port = _random.randrange(FREE_PORT_FLOOR, top)
+        if (host, port) in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add((host, port))
+        return port
+    with socket.socket() as s:   # no room below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 

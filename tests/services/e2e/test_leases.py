@@ -14,8 +14,9 @@ from tether.client import Client, TetherError
 
 def test_coordinator_killed_mid_generation(tmp_path, held, wait_released):
     lease = 2.0
+    # admission waits 2 s, not the 30 s default, for a pipeline to continue the dropped request: it has only this one
     cluster = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path,
-                           extra={"stage": ["--lease", str(lease)]}).start(timeout=180)
+                           extra={"stage": ["--lease", str(lease)], "admission": ["--resume-wait", "2"]}).start(timeout=180)
     try:
         rid = "lease-test-1"
         internal: list[str] = []
