@@ -4,6 +4,9 @@ live cluster's stages and coordinator hold, and a model fed one request chunk by
 from __future__ import annotations
 
 import os
+import re
+import time
+import urllib.request
 
 import grpc
 
@@ -70,3 +73,19 @@ def run_chunks(slices, ids: list[int], chunks: list[int]):
         out.append(slices[-1].logits(x))
         pos += c
     return torch.cat(out)
+
+
+def wait_admission_routes_every_pipeline(cluster: LocalCluster, timeout: float = 30.0) -> None:
+    """Until admission's /metrics (the cluster runs with metrics on) shows every pipeline up: admission is SERVING
+    with its first pipeline and learns of the others from their load reports, a moment later."""
+    url = cluster.service("admission").metrics_url
+    assert url is not None, "wait_admission_routes_every_pipeline needs a cluster with metrics=True"
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            up = re.findall(r'^tether:pipeline_up\{[^}]*\} (\S+)$', r.read().decode(), re.M)
+        if len(up) == cluster.pipelines and all(float(v) == 1.0 for v in up):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"admission routes to {up} of {cluster.pipelines} pipelines after {timeout:.0f} s")
+        time.sleep(0.05)

@@ -236,10 +236,17 @@ class LocalCluster:
         return next(s for s in self.services if s.name == name)
 
     def start(self, timeout: float = 120.0, supervisor: StartupSupervisor | None = None) -> "LocalCluster":
-        """Launch every child and wait until admission is SERVING. With `supervisor`, a child that came up and
-        then died meanwhile is restarted by it like any other (only one that never came up fails the start)."""
+        """Launch every child and wait until every pipeline serves (each coordinator SERVING: its stages
+        handshaken), then admission. Admission alone turns SERVING with its first pipeline, so waiting on it
+        only returned a cluster whose other pipelines might still be loading. With `supervisor`, a child that
+        came up and then died meanwhile is restarted by it like any other (only one that never came up fails
+        the start)."""
         self.launch()
-        self.wait_ready(timeout, supervisor=supervisor)
+        deadline = time.monotonic() + timeout
+        for svc in self.services:
+            if svc.name.endswith("coordinator"):
+                self.wait_ready(max(1.0, deadline - time.monotonic()), svc.name, supervisor=supervisor)
+        self.wait_ready(max(1.0, deadline - time.monotonic()), supervisor=supervisor)
         return self
 
     def launch(self) -> "LocalCluster":

@@ -18,6 +18,7 @@ from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.helpers import wait_admission_routes_every_pipeline
 
 PROMPTS = ["Explain in under 30 words why the sky is blue.", "写一首关于秋天的短诗", "def fib(n):",
            "Summarize: the quick brown fox jumps over the lazy dog.", "你好", "A" * 200]
@@ -27,6 +28,7 @@ PROMPTS = ["Explain in under 30 words why the sky is blue.", "写一首关于秋
 def two(tmp_path_factory):
     c = LocalCluster(model="tiny", stages=1, pipelines=2, threads=1, metrics=True,
                      log_dir=tmp_path_factory.mktemp("two-pipelines")).start(timeout=180)
+    wait_admission_routes_every_pipeline(c)   # the spread test needs admission to see both
     yield c
     c.stop()
 
