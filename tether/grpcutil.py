@@ -105,6 +105,9 @@ class Server:
             raise OSError(f"cannot listen on {self.address}")
         self.port = bound
         self._stop = asyncio.Event()   # set by SIGINT/SIGTERM or request_stop()
+        # Set once the server stops (after `before_stop`): long-lived streams (a coordinator's Watch and Session)
+        # end on it rather than holding the stop for its whole grace and being cancelled (logged as errors).
+        self.stopping = asyncio.Event()
 
     def request_stop(self) -> None:
         """Stop as on SIGTERM (e.g. a coordinator drained by a call that asked it to exit)."""
@@ -131,4 +134,5 @@ class Server:
         await self.set_serving(False)
         if before_stop is not None:
             await before_stop()
+        self.stopping.set()
         await self.server.stop(grace_s)

@@ -46,6 +46,7 @@ class LoadWatch:
     fingerprint: str
     watchers = 0   # Watch streams open now: an admission that watches has this pipeline's load (a rolling
                    # restart moves on only once one does)
+    stopping: asyncio.Event   # the server's (grpcutil.Server.stopping): Watch streams end when it is set
 
     async def Watch(self, request: coordinator_pb2.WatchRequest, context):
         interval = request.interval_s or DEFAULT_INTERVAL_S
@@ -53,8 +54,11 @@ class LoadWatch:
         max_context = self.cfg.max_position_embeddings   # type: ignore[attr-defined]
         self.watchers += 1
         try:
-            while True:
+            while not self.stopping.is_set():
                 yield load_report(self.driver, self.fingerprint, max_context)
-                await asyncio.sleep(interval)
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), interval)
+                except TimeoutError:
+                    pass
         finally:
             self.watchers -= 1

@@ -93,7 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
     # One drain for SIGTERM and the Drain RPC (services/coordinator/drain.py); a call that asks to exit stops the
     # server as SIGTERM would, once drained.
     drain = Drain(driver, args.drain_seconds, on_start=lambda: server.set_serving(False))
-    servicer.drain, servicer.on_drained_exit = drain, server.request_stop
+    servicer.drain, servicer.on_drained_exit, servicer.stopping = drain, server.request_stop, server.stopping
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
     if registry is not None and observed is not None:   # metrics on

@@ -59,6 +59,7 @@ class CoordinatorServicer(LoadWatch, coordinator_pb2_grpc.CoordinatorServicer):
         self.fingerprint = fingerprint
         self.drain = Drain(driver, settings.DRAIN_S)   # main.py gives it --drain-seconds and the server's health
         self.on_drained_exit: Callable[[], None] | None = None   # stops the process (a Drain that asks to exit)
+        self.stopping = asyncio.Event()   # main.py gives it the server's: Watch and idle Sessions end on it
 
     def _validate(self, request: coordinator_pb2.SubmitRequest) -> str | None:
         n = len(request.prompt_token_ids)
@@ -272,6 +273,8 @@ class _Session:
     async def run(self, request_iterator) -> None:
         reader = asyncio.create_task(self._read(request_iterator))
         reader.add_done_callback(lambda _: self.ready.set())
+        stopping = asyncio.create_task(self.svc.stopping.wait())   # the server stops: end once nothing is left
+        stopping.add_done_callback(lambda _: self.ready.set())
         try:
             while True:
                 await self.ready.wait()
@@ -289,7 +292,10 @@ class _Session:
                                                  f"malformed Session stream: {reader.exception()!r}")
                     if not self.follows:   # the caller closed its side and every request has ended
                         return
+                if stopping.done() and not self.follows:   # drained: every request ended or was handed back
+                    return
         finally:
+            stopping.cancel()
             reader.cancel()
             for task in list(self.follows.values()):
                 task.cancel()
