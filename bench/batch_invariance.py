@@ -97,7 +97,7 @@ def _decode_slot(model: Model, context: int) -> list[SlotRows]:
 def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
     """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
     the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
-    cfg, rows = inv.cfg, padded_rows(1, pad=inv.pad)
+    cfg, rows = inv.cfg, padded_rows(1, pad=inv.pad, floor=inv.min_rows)
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     si, sp = _decode_slot(inv, context), _decode_slot(plain, context)
     plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.pad)

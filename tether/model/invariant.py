@@ -37,11 +37,12 @@ from tether.mathutil import ceil_div
 _THREADS_LOCK = threading.Lock()
 
 
-def padded_rows(rows: int, threads: int | None = None, pad: bool = True) -> int:
-    """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads; or
-    `rows` itself where the kernels are invariant unpadded (`pad` False: tether/model/numerics.py)."""
+def padded_rows(rows: int, threads: int | None = None, pad: bool = True, floor: int = 1) -> int:
+    """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads; or,
+    where the kernels are invariant unpadded (`pad` False: tether/model/numerics.py), `rows` itself but at
+    least `floor` (bf16 on smollm2: 2, as a 1-row product has other bits)."""
     if not pad:
-        return rows
+        return max(rows, floor)
     unit = 4 * (threads or torch.get_num_threads())
     return max(unit, ceil_div(rows, unit) * unit)
 

@@ -21,6 +21,7 @@ from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
 from tether.model.invariant import invariant_threads, pad_rows, padded_rows
+from tether.model.numerics import unpadded_floor
 from tether.model.tiles import AttentionPlan, Scratch
 
 
@@ -139,10 +140,12 @@ class ModelSlice(nn.Module):
         self.has_embedding = layer_start == 0
         self.has_head = layer_end == cfg.num_hidden_layers
         self.dtype = dtype
-        # Pad rows (tether/model/invariant.py) in every dtype: bf16 unpadded passed the probe op by op, yet on
-        # smollm2 a decode row changed bits among neighbours in 3 of 12 random batches; padded, 0 of 12.
-        # `pad` stays a switch for the day the probe (numerics.unpadded_invariant) catches that case.
-        self.pad = True
+        # Pad rows (tether/model/invariant.py) unless the start-up probe found this dtype's kernels invariant
+        # unpadded here (bf16 with native bf16); then run a micro-batch on its own rows, but at least the
+        # probe's floor (smollm2 bf16: 2 rows, since a 1-row down_proj has other bits for ~10% of rows).
+        floor = unpadded_floor(cfg, dtype)
+        self.pad = floor is None
+        self.min_rows = floor or 1
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layer_end - layer_start))
         if self.has_head:
@@ -190,11 +193,12 @@ class ModelSlice(nn.Module):
 
         Each slot's KV must come from `new_kv` (or the stage's arena) and already have room (`kv.ensure`); on
         success the caller advances `kv.length`. Rows are padded (tether/model/invariant.py) and the padding
-        dropped (unless `pad` is off: the dtype's kernels are invariant unpadded); a small batch runs on fewer threads (`invariant_threads`, the same bits).
+        dropped; where `pad` is off (the dtype's kernels are invariant unpadded) only up to `min_rows`. A small
+        batch runs on fewer threads (`invariant_threads`, the same bits).
         """
         rows = inputs.shape[0]
         with invariant_threads(rows):
-            padded = padded_rows(rows, pad=self.pad)
+            padded = padded_rows(rows, pad=self.pad, floor=self.min_rows)
             plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
                                        self.scratch, self.pad)   # built once per step, shared by every layer
             return self.run_layers(inputs, slots, padded, plan)
@@ -217,4 +221,4 @@ class ModelSlice(nn.Module):
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
         rows = hidden.shape[0]
         with invariant_threads(rows):
-            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, pad=self.pad))))[:rows].float()
+            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, pad=self.pad, floor=self.min_rows))))[:rows].float()

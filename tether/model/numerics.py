@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tether.model.config import ModelConfig
+from tether.model.invariant import threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES, model_part, served_fingerprint  # noqa: F401 - re-exported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,8 +31,11 @@ assert tuple(DTYPES) == NAMES
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # Row counts the probe compares against the rows of one larger batch: 1 and the small counts where fp32 MKL
 # changes paths, odd counts (vector tails), and counts past a 16-row kernel block. Few, to keep start-up cheap.
-PROBE_ROWS = (1, 2, 3, 5, 8, 17, 48)
-
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 17, 48)
+# The most rows a micro-batch may be padded to where only the smallest row counts differ (`probe`'s floor):
+# bf16 oneDNN gives a 1-row product over K = 1536 (smollm2's down_proj) other bits than every M >= 2 for ~10%
+# of rows, so a decode step alone runs as 2 rows. A floor above this means the dtype pads like fp32.
+MAX_FLOOR = 4
 
 def name_of(dtype: torch.dtype) -> str:
     """The --dtype (and handshake) name of a torch dtype."""
@@ -59,50 +63,69 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def _rows_invariant(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, threads: tuple[int, ...]) -> bool:
-    """Does every prefix of `x`'s rows give the rows of the whole batch, on every thread count?"""
-    whole = op(x)
+def _failing_rows(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, threads: tuple[int, ...],
+                  dim: int = 0, windows: int | None = None) -> set[int]:
+    """The row counts m of PROBE_ROWS at which some window of m rows of `x` (along `dim`; every window, or the
+    first `windows`: not just the first, as a 1-row product can differ on a few rows only) does not give the
+    whole batch's rows, on some thread count. Empty: `op` is row-count- and thread-invariant on `x`.
+
+    Along dim 0 (a micro-batch's rows) m rows are checked only on the threads serving runs them on
+    (`invariant_threads`: at most one per 4 rows), which keeps the LM head's many 1-row products cheap."""
+    whole, rows, failing = op(x), x.shape[dim], set()
     for t in threads:
         torch.set_num_threads(t)
         for m in PROBE_ROWS:
-            if m <= x.shape[0] and not torch.equal(op(x[:m]), whole[:m]):
-                return False
+            if m > rows or m in failing or (dim == 0 and threads_for(m, t) < t):
+                continue
+            starts = range(0, rows - m + 1, m)[:windows]
+            if not all(torch.equal(op(x.narrow(dim, s, m)), whole.narrow(dim, s, m)) for s in starts):
+                failing.add(m)
         if not torch.equal(op(x), whole):
-            return False
-    return True
+            failing.add(rows)
+    return failing
 
 
-def _attention_invariant(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int, ...], block: int) -> bool:
+def floor_of(failing: Iterable[int]) -> int | None:
+    """The fewest rows to pad a micro-batch to so that it never runs at a failing row count: the smallest of
+    PROBE_ROWS above every failing count, if at most MAX_FLOOR; None: the dtype must pad like fp32."""
+    top = max(failing, default=0)
+    return next((m for m in PROBE_ROWS if m > top and m <= MAX_FLOOR), None)
+
+
+def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int, ...], block: int) -> set[int]:
     """The tiles' batched matmuls and softmax pieces (tether/model/tiles.py) over unpadded tile heights: a
-    tile's rows are the same whatever the tile's height and however many (tile, block) pairs share the batch."""
+    tile's rows are the same whatever the tile's height and however many (tile, block) pairs share the batch.
+    Returns the failing tile heights in positions (`_failing_rows`), plus `block` where pairs interfere; any
+    makes the dtype pad."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     d, kvh, pairs = cfg.head_dim, cfg.num_key_value_heads, 5
-    height = group * block
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(pairs, kvh, height, d, generator=g).to(dtype)
+    q = torch.randn(pairs, kvh, group * block, d, generator=g).to(dtype)
     keys = torch.randn(pairs, kvh, block, d, generator=g).to(dtype)
     values = torch.randn(pairs, kvh, block, d, generator=g).to(dtype)
 
-    def piece(qq: torch.Tensor) -> torch.Tensor:
-        n = qq.shape[0]
-        s = torch.matmul(qq * d ** -0.5, keys[:n].mT)
+    def piece(qq: torch.Tensor, at: int = 0) -> torch.Tensor:
+        kk, vv = keys[at:at + qq.shape[0]], values[at:at + qq.shape[0]]
+        s = torch.matmul(qq * d ** -0.5, kk.mT)
         p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
-        return torch.matmul(p, values[:n]) / p.sum(-1, keepdim=True)
+        return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
 
+    # a tile of `count` positions has group * count rows: windows of its heads' rows, as positions
+    by_position = q.view(pairs, kvh, block, group, d)
+    failing = _failing_rows(lambda qq: piece(qq.flatten(2, 3)).unflatten(2, (-1, group)), by_position, threads, 2, 8)
     whole = piece(q)
-    for t in threads:
+    for t in threads:   # each pair alone, as in the batch of all
         torch.set_num_threads(t)
-        for n in (1, pairs):
-            for count in PROBE_ROWS:
-                if count <= block and not torch.equal(piece(q[:n, :, :group * count]), whole[:n, :, :group * count]):
-                    return False
-    return True
+        if not all(torch.equal(piece(q[n:n + 1], n), whole[n:n + 1]) for n in range(pairs)):
+            failing.add(block)
+    return failing
 
 
-def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> bool:
+def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
     """Every op class of the model's forward, on its own shapes and random values, unpadded: each linear
-    (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces give the same
-    row bits for every row count and on 1 or all threads."""
+    (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces, on 1 or all
+    threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
+    do; None where the dtype must be padded like fp32."""
     from tether.model.llama import RMSNorm, rotate_half   # the serving code's own ops (llama imports us)
 
     before = torch.get_num_threads()
@@ -121,20 +144,30 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> bool:
     def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: F.linear(x, w)
 
+    # RoPE's tables ride along as extra columns, so that a window of rows gets its own rows' tables
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        heads = cfg.num_attention_heads
+        x, c, s = x[:, :heads], x[:, heads:heads + 1], x[:, heads + 1:]
+        return x * c + rotate_half(x) * s
+
     checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
         (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
     checks += [
         (norm, rand(rows, h) * 20),
-        (lambda x: x * cos[:x.shape[0]] + rotate_half(x) * sin[:x.shape[0]], rand(rows, cfg.num_attention_heads, d)),
+        (rope, torch.cat([rand(rows, cfg.num_attention_heads, d), cos, sin], 1)),
         (lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20),
     ]
     try:
         with torch.inference_mode():
+            failing: set[int] = set()
+            for op, x in checks:
+                torch.set_num_threads(1)
+                failing |= _failing_rows(op, x, threads)
+                if floor_of(failing) is None:
+                    return None
             torch.set_num_threads(1)
-            if not all(_rows_invariant(op, x, threads) for op, x in checks):
-                return False
-            torch.set_num_threads(1)
-            return _attention_invariant(cfg, dtype, threads, block)
+            # tile heights are never floored (tiles.py pads them only where the micro-batch pads)
+            return None if _attention_failing(cfg, dtype, threads, block) else floor_of(failing)
     finally:
         torch.set_num_threads(before)
 
@@ -143,17 +176,23 @@ _LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
-def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> bool:
+def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> int | None:
     return probe(cfg, dtype)
 
 
-def unpadded_invariant(cfg: ModelConfig, dtype: torch.dtype) -> bool:
-    """Whether `dtype`'s kernels may run unpadded for this model here: bf16 on a CPU with native bf16 whose
-    probe passed (cached per process, model shapes and thread count). fp32 and fp16 are always padded."""
+def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:
+    """The fewest rows `dtype`'s kernels may run a micro-batch on unpadded for this model here (`probe`'s
+    floor), or None: pad like fp32. Only bf16 on a CPU with native bf16 is probed (cached per process, model
+    shapes and thread count); fp32 and fp16 are always padded."""
     if dtype != torch.bfloat16 or BF16_FLAGS.isdisjoint(cpu_flags()):
-        return False
+        return None
     with _LOCK:
         return _probed(cfg, dtype, torch.get_num_threads())
+
+
+def unpadded_invariant(cfg: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether `dtype`'s kernels may run unpadded (to at most `unpadded_floor` rows) for this model here."""
+    return unpadded_floor(cfg, dtype) is not None
 
 
 def resolve(requested: str, cfg: ModelConfig) -> str:
