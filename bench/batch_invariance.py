@@ -137,26 +137,36 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--dtype", default="float32", choices=numerics.CHOICES,
                    help="both sides' dtype; auto: the services' choice here (default: %(default)s)")
+    p.add_argument("--padded", action="store_true", help="pad the invariant kernels' rows as fp32 does, also where "
+                   "the probe lets the dtype run unpadded (bf16 before its floor was found: the cost of padding)")
     p.add_argument("--breakdown", action="store_true", help="only a batch-1 decode step's pieces, as shares of "
                    "the plain step")
     args = p.parse_args()
+
+    def invariant(folder) -> ModelSlice:
+        inv = load_slice(folder, dtype=args.dtype)
+        inv.pad = inv.pad or args.padded
+        return inv
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.breakdown:
         for name in args.model or ["tiny", "small"]:
-            plain, inv = PlainSlice(load_slice(resolve_model(name), dtype=args.dtype)), load_slice(resolve_model(name), dtype=args.dtype)
+            plain, inv = PlainSlice(load_slice(resolve_model(name), dtype=args.dtype)), invariant(resolve_model(name))
             for piece, share in breakdown(plain, inv, args.context, args.repeats).items():
                 print(f"{name:6s} {piece:32s} {share:.2f}× the plain step")
         return
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, --dtype {args.dtype}; ratio = invariant / plain throughput "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, --dtype {args.dtype}, invariant kernels "
+          f"{'padded (--padded)' if args.padded else 'as served'}; ratio = invariant / plain throughput "
           f"(median of {args.repeats} interleaved repeats)\n")
     print("| model | batch | decode tok/s plain | decode ratio | mixed-context decode ratio "
           "| prefill tok/s plain | prefill ratio |")
     print("|---|---|---|---|---|---|---|")
     for name in args.model or ["tiny", "small"]:
         folder = resolve_model(name)
-        plain, inv = PlainSlice(load_slice(folder, dtype=args.dtype)), load_slice(folder, dtype=args.dtype)
+        plain, inv = PlainSlice(load_slice(folder, dtype=args.dtype)), invariant(folder)
+        print(f"<!-- {name}: {inv.dtype}, {'padded' if inv.pad else f'unpadded, at least {inv.min_rows} rows'} -->")
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()
             dec_plain, dec = ratio(plain, inv, lambda m, b=b: decode_tokens_per_s(m, [args.context] * b, args.steps),

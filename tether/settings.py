@@ -89,8 +89,8 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 # Numerics every service, the reference and the benches default to (--dtype): "auto" is bfloat16 where the CPU
 # computes it natively and a start-up probe finds its kernels invariant unpadded, else float32 padded
 # (tether/model/numerics.py). A pipeline's stages must all choose the same (the handshake refuses a mix).
-# bf16 runs padded like fp32: unpadded, a smollm2 decode row changed among some neighbours although every op
-# class passed the probe alone (docs/PERFORMANCE.md, "Numerics per machine").
+# bf16 runs unpadded but on at least the probe's floor of rows (2 on smollm2: a 1-row down_proj has other bits;
+# docs/PERFORMANCE.md, "Numerics per machine").
 DTYPE = "auto"
 
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch

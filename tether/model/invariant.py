@@ -14,10 +14,11 @@ What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "B
   than it has 4-row units: `invariant_threads` runs a batch of 1-4 rows on 1 thread padded to 4 rows, not on
   T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
 
-- bf16 through oneDNN on a CPU with native bf16 (avx512_bf16, amx_bf16) needs none of this: its GEMM rows
-  have the same bits for every row count and thread count. tether/model/numerics.py probes that at start-up
-  on the model's own shapes. Yet unpadded bf16 changed a smollm2 decode row among some neighbours, so every
-  slice still pads (`ModelSlice.pad`); bf16 padded was invariant in every case tried.
+- bf16 through oneDNN on a CPU with native bf16 (avx512_bf16, amx_bf16) needs almost none of this: its GEMM
+  rows have the same bits for every row count >= 2 and thread count, but a 1-row product over K = 1536
+  (smollm2's down_proj) gives ~10% of rows other bits. tether/model/numerics.py probes every window of rows at
+  start-up on the model's own shapes and returns the floor to pad to (`padded_rows(..., pad=False, floor=2)`
+  on smollm2: a decode step alone runs as 2 rows, every other batch on its own rows).
 
 Attention, the one op that mixes rows, is in tether/model/tiles.py.
 """

@@ -1,10 +1,12 @@
 """Which numerics this machine serves a model in: `--dtype auto` resolved, once per process.
 
 bfloat16 where the CPU computes it natively and a start-up probe on the model's own shapes finds every op
-class row-count- and thread-invariant without padding; float32 with the padding of tether/model/invariant.py
-otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the
-same row bits for every row count and thread count, where fp32 MKL changes them at M = 2, 4, ...; on a CPU
-without native bf16 dot products bf16 was 4-14x slower than fp32. Machines differ, so the machine decides:
+class row-count- and thread-invariant without padding, from some small floor of rows on; float32 with the
+padding of tether/model/invariant.py otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13,
+oneDNN): bf16 `F.linear` gives the same row bits for every row count >= 2 and thread count, where fp32 MKL
+changes them at M = 2, 4, ...; but a 1-row product over K = 1536 (smollm2's down_proj) differs on ~10% of rows,
+so smollm2 in bf16 runs a micro-batch on at least 2 rows (`probe` returns that floor; ModelSlice.min_rows).
+On a CPU without native bf16 dot products bf16 was 4-14x slower than fp32. Machines differ, so the machine decides:
 `choose_dtype` is the pure rule, `cpu_flags` and `probe` its inputs, `resolve` the cached whole.
 
 Every process that must agree makes the same choice the same way (the stages, `tether.reference`); the
