@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tether.model import probe_cache
 from tether.model.config import ModelConfig
 from tether.model.invariant import threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES, model_part, served_fingerprint  # noqa: F401 - re-exported
@@ -177,14 +178,18 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
 _LOCK = threading.Lock()
 
 
+# Bump when `probe` changes what it checks: answers kept on disk by an older probe are then not read.
+PROBE_VERSION = 2
+
+
 @functools.lru_cache(maxsize=16)
 def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> int | None:
-    return probe(cfg, dtype)
+    return probe_cache.cached(probe_cache.key(PROBE_VERSION, cfg, dtype, threads), lambda: probe(cfg, dtype))
 
 
 def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:
     """The fewest rows `dtype`'s kernels may run a micro-batch on unpadded for this model here (`probe`'s
-    floor), or None: pad like fp32. Only bf16 on a CPU with native bf16 is probed (cached per process, model
+    floor), or None: pad like fp32. Only bf16 on a CPU with native bf16 is probed (cached per process and on disk per machine, tether/model/probe_cache.py; model
     shapes and thread count); fp32 and fp16 are always padded."""
     if dtype != torch.bfloat16 or BF16_FLAGS.isdisjoint(cpu_flags()):
         return None

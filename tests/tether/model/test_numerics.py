@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tether import settings
 from tether.model import numerics
 from tether.model.config import ModelConfig
 from tether.model.loader import resolve_model
@@ -90,6 +91,7 @@ def test_auto_is_probed_once_per_process(monkeypatch):
     calls = []
     monkeypatch.setattr(numerics, "probe", lambda c, dtype: calls.append(c) or 1)
     monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")   # this process's own probing (the disk: test_probe_cache)
     numerics._probed.cache_clear()
     try:
         assert [numerics.resolve("auto", cfg) for _ in range(3)] == ["bfloat16"] * 3

@@ -1,0 +1,74 @@
+"""The numerics probe's answer kept on disk, per machine: every stage start and every `tether.reference` ran the
+probe (seconds of CPU on the real model) to learn what the previous process on the same machine had learnt.
+
+The key is everything the answer depends on: the probe's own version, torch's version, the CPU (model name and
+feature flags), the model's shapes, the dtype and the thread count. A different machine, CPU or torch makes a
+different key, so a stale answer is never read; a file that cannot be read or parsed is probed again.
+TETHER_PROBE_CACHE=0 turns the cache off (the probe runs in every process, as before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import xxhash
+
+from tether import settings
+from tether.model.config import ModelConfig
+from tether.model.presets import tether_home
+
+_MISSING = object()
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first CPU's model name and feature flags (what kernel choices depend on); empty where unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    keep = [line for line in text.split("\n\n")[0].splitlines()
+            if line.partition(":")[0].strip() in ("vendor_id", "model name", "flags", "Features", "CPU part")]
+    return "\n".join(keep)
+
+
+def key(version: int, cfg: ModelConfig, dtype: torch.dtype, threads: int, cpu: str | None = None) -> str:
+    parts = {"probe": version, "torch": torch.__version__, "cpu": cpu_identity() if cpu is None else cpu,
+             "model": asdict(cfg), "dtype": str(dtype), "threads": threads}
+    return xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True, default=str).encode())
+
+
+def enabled() -> bool:
+    return os.environ.get(settings.PROBE_CACHE_ENV, "1") != "0"
+
+
+def cached(k: str, compute: Callable[[], int | None], folder: Path | None = None) -> int | None:
+    """The answer stored under `k`, or `compute()`'s, stored (atomically) for the next process."""
+    if not enabled():
+        return compute()
+    folder = folder or tether_home() / "probes"
+    path = folder / f"{k}.json"
+    got: object = _MISSING
+    try:
+        value = json.loads(path.read_text())["floor"]
+        if value is None or (isinstance(value, int) and value >= 1):
+            got = value
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if got is not _MISSING:
+        return got   # type: ignore[return-value]  # checked just above: None or an int >= 1
+    value = compute()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"floor": value}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only home: the answer is still right, only not kept
+    return value
