@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the served tokens, and count exact / within-margin / MISMATCH per level")
     g.add_argument("--baselines", action="store_true",
                    help="also measure, on the same requests: tether at concurrency = --batch-size, the raw "
-                        "in-process engine, and transformers generate with static batching; report ratios")
+                        "in-process engine, transformers generate with static and continuous batching, and "
+                        "llama.cpp's server (see --llama-cpp-python); report ratios")
     g.add_argument("--baseline-requests", type=positive_int, default=32, metavar="N",
                    help="requests in the baseline set (default: %(default)s)")
     g.add_argument("--batch-size", type=positive_int, default=settings.MAX_BATCH_SLOTS, metavar="N",
@@ -192,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--baseline-threads", type=positive_int, default=None, metavar="N",
                    help="torch threads of the in-process baselines (default: what one stage process gets, "
                         "--threads or cores divided among --stages)")
+    g.add_argument("--llama-cpp-python", default=sys.executable, metavar="PYTHON",
+                   help="with --baselines: the interpreter whose llama-cpp-python[server] (the bench extra, maybe "
+                        "in another virtual environment) serves the llama.cpp baseline: `PYTHON -m "
+                        "llama_cpp.server` on the model's GGUF with the stages' threads in total, the same "
+                        "requests at concurrency --batch-size over its OpenAI API; skipped, with the reason in "
+                        "the report, when it is not importable there or the model has no GGUF (only smollm2 "
+                        "has) (default: this interpreter)")
     g.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                    help="baseline runs per side, interleaved; the report gives medians (default: %(default)s)")
     g = p.add_argument_group(
@@ -295,7 +303,9 @@ def options_of(args: argparse.Namespace) -> BenchOptions:
         credentials=Credentials(args.api_key, args.tls_ca, args.tls_cert, args.tls_key),
         capacity_start=args.rate or 1.0, baseline_requests=args.baseline_requests, batch_size=args.batch_size,
         baseline_threads=args.baseline_threads or threads, repeats=args.repeats, api=args.api,
-        base_url=args.base_url)
+        base_url=args.base_url, llama_cpp_python=args.llama_cpp_python,
+        llama_cpp_threads=threads * args.stages * args.pipelines,
+        llama_cpp_log=str(args.out / "logs" / "llama-cpp-server.log"))
 
 
 NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch (issue 11)
@@ -468,10 +478,14 @@ def print_summary(rep: dict, files: list[Path], out: Callable[[str], None] = pri
         out(f"baselines (output tok/s, median of {b['repeats']}): tether {b['served']['output_token_throughput']:.1f}, "
             f"engine {b['engine']['output_token_throughput']:.1f}, transformers "
             f"{report.fmt(b['hf']['output_token_throughput'])}, transformers CB "
-            f"{report.fmt(b.get('hf_cb', {}).get('output_token_throughput'))}; "
+            f"{report.fmt(b.get('hf_cb', {}).get('output_token_throughput'))}, llama.cpp "
+            f"{report.fmt(b.get('llama_cpp', {}).get('output_token_throughput'))}; "
             f"tether/engine {report.ratio_text(ratio['vs_engine'])}, "
             f"tether/transformers {report.ratio_text(ratio['vs_hf'])}, "
-            f"tether/transformers CB {report.ratio_text(ratio.get('vs_hf_cb'))}")
+            f"tether/transformers CB {report.ratio_text(ratio.get('vs_hf_cb'))}, "
+            f"tether/llama.cpp {report.ratio_text(ratio.get('vs_llama_cpp'))}")
+        if b.get("llama_cpp", {}).get("error"):
+            out(f"llama.cpp baseline not run: {b['llama_cpp']['error']}")
     if rep["chaos"]["requested"]:
         out("chaos (per fault kind: injected / detected / recovered / failed explicitly / wrong answers):")
 

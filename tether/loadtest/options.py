@@ -48,3 +48,6 @@ class BenchOptions:
     repeats: int = 1                # baseline runs per side
     api: str = "grpc"               # the face the load goes through: grpc, or openai (the HTTP API at base_url)
     base_url: str = ""              # with api "openai": admission's OpenAI base URL (http://HOST:PORT/v1)
+    llama_cpp_python: str = ""      # the interpreter that runs the llama.cpp baseline's server; "": not run
+    llama_cpp_threads: int = 1      # its threads: the cluster's stages' in total
+    llama_cpp_log: str = ""         # its log file

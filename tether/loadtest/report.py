@@ -268,22 +268,32 @@ def _baselines_md(b: dict | None) -> list[str]:
     if b is None:
         return ["## Baselines", "", "Not run (pass `--baselines`).", ""]
     rows = []
+    llama_threads = b.get("llama_cpp_threads", 0)
     for name, what in (("served", "tether, served over gRPC (closed loop, concurrency = batch size)"),
                        ("engine", "raw in-process engine (continuous batching, no gRPC)"),
                        ("hf", "transformers generate, static batching"),
-                       ("hf_cb", "transformers generate_batch, continuous batching")):
+                       ("hf_cb", "transformers generate_batch, continuous batching"),
+                       ("llama_cpp", f"llama.cpp (llama-cpp-python's server, the GGUF, {llama_threads} "
+                                     "thread(s); serializes requests), over its OpenAI API at concurrency = "
+                                     "batch size")):
         side = b.get(name, {})
         tok_s = fmt(side["output_token_throughput"]) if side.get("output_token_throughput") else side.get("error", "–")
-        rows.append([name, what, tok_s, ", ".join(fmt(x) for x in side.get("runs", []))])
+        rows.append([name, what, tok_s, fmt(side.get("ttft_p50_ms"), 0), fmt(side.get("tpot_p50_ms"), 0),
+                     ", ".join(fmt(x) for x in side.get("runs", []))])
+    command = ([f"The llama.cpp server: `{b['llama_cpp_command']}`.", ""] if b.get("llama_cpp_command") else [])
     return ["## Baselines", "",
             f"{b['completed']} requests of the same workload (the prompts, seeds and output budgets the server "
             f"used), batch size {b['batch_size']}; the in-process baselines run {b['threads']} torch thread(s), "
             f"each of the cluster's {b['stages']} stage processes {b['stage_threads']}; median of {b['repeats']} "
-            f"interleaved run(s); each ratio is the median of the per-run ratios.", "",
-            *_table(["side", "what", "output tok/s (median)", "runs"], rows), "",
+            f"interleaved run(s); each ratio is the median of the per-run ratios. TTFT and TPOT (p50, median "
+            f"over the runs) are of the sides served through a load client; llama.cpp's include its queue "
+            f"(one request at a time).", "",
+            *_table(["side", "what", "output tok/s (median)", "TTFT p50 ms", "TPOT p50 ms", "runs"], rows), "",
+            *command,
             f"tether / engine = **{ratio_text(b['ratios'].get('vs_engine'))}**, "
             f"tether / transformers = **{ratio_text(b['ratios'].get('vs_hf'))}**, "
-            f"tether / transformers CB = **{ratio_text(b['ratios'].get('vs_hf_cb'))}**", ""]
+            f"tether / transformers CB = **{ratio_text(b['ratios'].get('vs_hf_cb'))}**, "
+            f"tether / llama.cpp = **{ratio_text(b['ratios'].get('vs_llama_cpp'))}**", ""]
 
 
 def ratio_text(r: float | None) -> str:

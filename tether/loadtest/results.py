@@ -47,10 +47,13 @@ class LevelResult:
 
 @dataclass
 class Side:
-    """One side of the baselines: output tokens per second of each repeat, or why it did not run."""
+    """One side of the baselines: output tokens per second of each repeat, or why it did not run; the sides
+    served through a load client (tether, llama.cpp) also have each repeat's TTFT and TPOT p50."""
 
     runs: list[float] = field(default_factory=list)
     error: str = ""
+    ttft_p50_ms: list[float] = field(default_factory=list)
+    tpot_p50_ms: list[float] = field(default_factory=list)
 
     @property
     def output_token_throughput(self) -> float | None:
@@ -58,15 +61,22 @@ class Side:
 
     def to_json(self) -> dict:
         out: dict = dict(output_token_throughput=self.output_token_throughput, runs=self.runs)
+        if self.ttft_p50_ms or self.tpot_p50_ms:
+            out.update(ttft_p50_ms=_median(self.ttft_p50_ms), tpot_p50_ms=_median(self.tpot_p50_ms),
+                       ttft_p50_ms_runs=self.ttft_p50_ms, tpot_p50_ms_runs=self.tpot_p50_ms)
         if self.error:
             out["error"] = self.error
         return out
 
 
+def _median(values: list[float]) -> float | None:
+    return stats.median(values) if values else None
+
+
 @dataclass
 class BaselinesResult:
-    """The same request set served, through the in-process engine, and through transformers (static and
-    continuous batching), interleaved `repeats` times."""
+    """The same request set served, through the in-process engine, through transformers (static and
+    continuous batching) and through llama.cpp's server, interleaved `repeats` times."""
 
     requests: int
     completed: int
@@ -79,17 +89,22 @@ class BaselinesResult:
     engine: Side
     hf: Side
     hf_cb: Side
+    llama_cpp: Side = field(default_factory=Side)
+    llama_cpp_threads: int = 0
+    llama_cpp_command: str = ""         # the server's command line, when it ran
 
     def to_json(self) -> dict:
         return dict(requests=self.requests, completed=self.completed, batch_size=self.batch_size,
                     threads=self.threads, stage_threads=self.stage_threads, stages=self.stages,
                     repeats=self.repeats, served=self.served.to_json(), engine=self.engine.to_json(),
-                    hf=self.hf.to_json(), hf_cb=self.hf_cb.to_json(),
+                    hf=self.hf.to_json(), hf_cb=self.hf_cb.to_json(), llama_cpp=self.llama_cpp.to_json(),
+                    llama_cpp_threads=self.llama_cpp_threads, llama_cpp_command=self.llama_cpp_command,
                     # Each ratio is the median of per-repeat ratios: the sides of one repeat ran back to back,
                     # so a change in the machine's load between repeats cancels out.
                     ratios=dict(vs_engine=median_ratio(self.served.runs, self.engine.runs),
                                 vs_hf=median_ratio(self.served.runs, self.hf.runs),
-                                vs_hf_cb=median_ratio(self.served.runs, self.hf_cb.runs)))
+                                vs_hf_cb=median_ratio(self.served.runs, self.hf_cb.runs),
+                                vs_llama_cpp=median_ratio(self.served.runs, self.llama_cpp.runs)))
 
 
 @dataclass(frozen=True)

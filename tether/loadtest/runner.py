@@ -4,12 +4,16 @@ baselines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import operator
 import os
+import shlex
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from tether import reference, settings
-from tether.loadtest import audit, baselines, capacity, loadgen, stats
+from tether.loadtest import audit, baselines, capacity, llama_cpp_server, loadgen, stats
 from tether.loadtest.cluster_stats import EngineProbe
 from tether.loadtest.options import BenchOptions
 from tether.loadtest.progress import Progress
@@ -145,7 +149,7 @@ class Bench:
 
     def run_baselines(self) -> BaselinesResult:
         o = self.options
-        served, engine, hf_side, hf_cb = Side(), Side(), Side(), Side()
+        served, engine, hf_side, hf_cb, llama = Side(), Side(), Side(), Side(), Side()
         hf = None
         try:
             hf = baselines.load_hf(self.lm.folder, self.lm.model.dtype)
@@ -153,34 +157,86 @@ class Bench:
             hf_side.error = hf_cb.error = "transformers is not installed (pip install -e '.[bench]')"
         eos = self.lm.tokenizer.eos_ids
         jobs: list[baselines.Job] = []
-        for i in range(o.repeats):
-            run = asyncio.run(self.served_set(i))
-            records = run.records
-            served.runs.append(sum(r.output_tokens for r in records if r.ok) / run.wall_s)
-            if not jobs:   # the exact prompts and sampling the server used, output budgets included
-                jobs = [baselines.Job(self.lm.tokenizer.encode(r.request.prompt), audit.served_params(r))
-                        for r in sorted(records, key=lambda r: r.request.index) if r.ok]
-            with baselines.torch_threads(o.baseline_threads):
-                engine.runs.append(baselines.run_engine(self.lm, jobs, o.batch_size,
-                                                        settings.MAX_BATCH_TOKENS).output_token_throughput)
-                if hf is not None:
-                    pad = baselines.pad_token(hf, eos)
-                    hf_side.runs.append(baselines.run_hf(hf, jobs, o.batch_size, pad, eos).output_token_throughput)
-                    if not hf_cb.error:
-                        try:
-                            hf_cb.runs.append(baselines.run_hf_continuous(
-                                hf, jobs, o.batch_size, pad, eos).output_token_throughput)
-                        except Exception as e:   # noqa: BLE001 - transformers' CB is young: report, don't abort
-                            hf_cb.error = f"generate_batch failed: {e!r}"
+        with contextlib.ExitStack() as stack:
+            server = self.start_llama_cpp(llama, stack)
+            for i in range(o.repeats):
+                run = asyncio.run(self.served_set(i))
+                timed(served, run)
+                records = run.records
+                if not jobs:   # the exact prompts and sampling the server used, output budgets included
+                    jobs = [baselines.Job(self.lm.tokenizer.encode(r.request.prompt), audit.served_params(r))
+                            for r in sorted(records, key=lambda r: r.request.index) if r.ok]
+                if server is not None:
+                    if i == 0:   # its first request pays llama.cpp's own warm-up, as the levels paid ours
+                        asyncio.run(self.served_set(i, self.llama_cpp_client(server.base_url), "llama.cpp warm-up",
+                                                    requests=1))
+                    timed(llama, asyncio.run(self.served_set(i, self.llama_cpp_client(server.base_url),
+                                                             "llama.cpp")))
+                with baselines.torch_threads(o.baseline_threads):
+                    engine.runs.append(baselines.run_engine(self.lm, jobs, o.batch_size,
+                                                            settings.MAX_BATCH_TOKENS).output_token_throughput)
+                    if hf is not None:
+                        pad = baselines.pad_token(hf, eos)
+                        hf_side.runs.append(baselines.run_hf(hf, jobs, o.batch_size, pad,
+                                                             eos).output_token_throughput)
+                        if not hf_cb.error:
+                            try:
+                                hf_cb.runs.append(baselines.run_hf_continuous(
+                                    hf, jobs, o.batch_size, pad, eos).output_token_throughput)
+                            except Exception as e:   # noqa: BLE001 - transformers' CB is young: report, don't abort
+                                hf_cb.error = f"generate_batch failed: {e!r}"
         return BaselinesResult(requests=o.baseline_requests, completed=len(jobs), batch_size=o.batch_size,
                                threads=o.baseline_threads, stage_threads=o.stage_threads, stages=o.stages,
-                               repeats=o.repeats, served=served, engine=engine, hf=hf_side, hf_cb=hf_cb)
+                               repeats=o.repeats, served=served, engine=engine, hf=hf_side, hf_cb=hf_cb,
+                               llama_cpp=llama, llama_cpp_threads=o.llama_cpp_threads,
+                               llama_cpp_command=shlex.join(server.command) if server is not None else "")
 
-    async def served_set(self, repeat: int) -> loadgen.LevelRun:
-        """The baseline request set through the cluster, all at once up to --batch-size in flight."""
+    def start_llama_cpp(self, side: Side, stack: contextlib.ExitStack) -> llama_cpp_server.LlamaCppServer | None:
+        """The llama.cpp baseline's server, up for the whole baseline run (`stack` stops it), or None with the
+        reason in `side.error` when it cannot run."""
         o = self.options
-        requests = iter(self.workload.take(o.baseline_requests, f"{o.seed}:baseline"))
-        level = loadgen.Level("closed", concurrency=o.batch_size)
-        budget = loadgen.Budget(num_requests=o.baseline_requests)
-        async with self.progress(f"baseline set #{repeat + 1}", budget) as bar, self.client() as client:
-            return await loadgen.closed_loop(client, requests, level, budget, bar.update)
+        side.error = (llama_cpp_server.skip_reason(o.llama_cpp_python, o.model) if o.llama_cpp_python
+                      else "not asked")
+        if side.error:
+            return None
+        gguf = llama_cpp_server.gguf_of(o.model)
+        assert gguf is not None   # skip_reason found it
+        server = llama_cpp_server.LlamaCppServer(o.llama_cpp_python, gguf, o.llama_cpp_threads,
+                                                 self.lm.config.max_position_embeddings,
+                                                 Path(o.llama_cpp_log or "llama-cpp-server.log"))
+        if not o.quiet:
+            print(f"starting the llama.cpp baseline: {shlex.join(server.command[:1] + server.command[4:])} ...",
+                  file=sys.stderr, flush=True)
+        try:
+            return stack.enter_context(server)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            side.error = f"the llama.cpp server did not start: {e}"
+            return None
+
+    def llama_cpp_client(self, base_url: str) -> Callable[[], AsyncClient]:
+        from tether.loadtest.llama_cpp_client import LlamaCppStreamClient
+        tok = self.lm.tokenizer
+        return lambda: LlamaCppStreamClient(base_url, self.options.timeout_s, tok.encode,  # type: ignore[return-value]
+                                            tok.eos_ids)
+
+    async def served_set(self, repeat: int, client: Callable[[], AsyncClient] | None = None,
+                         name: str = "baseline set", requests: int | None = None) -> loadgen.LevelRun:
+        """The baseline request set (or its first `requests`) through the cluster (or `client`'s server), all at
+        once up to --batch-size in flight."""
+        o = self.options
+        n = requests or o.baseline_requests
+        sent = iter(self.workload.take(n, f"{o.seed}:baseline"))
+        level = loadgen.Level("closed", concurrency=min(o.batch_size, n))
+        budget = loadgen.Budget(num_requests=n)
+        async with self.progress(f"{name} #{repeat + 1}", budget) as bar, (client or self.client)() as c:
+            return await loadgen.closed_loop(c, sent, level, budget, bar.update)
+
+
+def timed(side: Side, run: loadgen.LevelRun) -> None:
+    """One repeat of a side served through a load client: its output tok/s, TTFT and TPOT p50."""
+    summary = stats.level_summary(run.records, run.wall_s, None)
+    side.runs.append(summary["output_token_throughput"] or 0.0)
+    for key, values in (("ttft", side.ttft_p50_ms), ("tpot", side.tpot_p50_ms)):
+        p50 = summary["latency_ms"][key]["p50"]
+        if p50 is not None:
+            values.append(p50)

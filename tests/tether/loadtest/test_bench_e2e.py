@@ -55,6 +55,7 @@ def test_bench_spawns_a_cluster_and_writes_an_audited_report(tmp_path):
     assert b["completed"] == 4 and b["ratios"]["vs_engine"] > 0
     assert b["hf"]["output_token_throughput"] > 0 and b["ratios"]["vs_hf"] > 0
     assert b["hf_cb"]["output_token_throughput"] > 0 and b["ratios"]["vs_hf_cb"] > 0   # generate_batch ran
+    assert "has no GGUF" in b["llama_cpp"]["error"] and b["ratios"]["vs_llama_cpp"] is None   # tiny: skipped
     assert "tether/engine" in run.stdout and "report.md" in run.stdout
     assert "warm-up" in run.stderr and "concurrency 4" in run.stderr        # the progress line
     assert (out_dir / "logs" / "admission.log").is_file()

@@ -53,6 +53,9 @@ BASELINES = dict(requests=4, completed=4, batch_size=4, threads=1, stage_threads
                  served=dict(output_token_throughput=50.0, runs=[40.0, 60.0]),
                  engine=dict(output_token_throughput=100.0, runs=[100.0, 100.0]),
                  hf=dict(output_token_throughput=25.0, runs=[25.0, 25.0]),
+                 llama_cpp=dict(output_token_throughput=None, runs=[],
+                                error="model tiny has no GGUF file (only the default model, smollm2, is served "
+                                      "from one)"),
                  ratios=dict(vs_engine=0.5, vs_hf=2.0))
 
 
@@ -72,7 +75,8 @@ def test_every_report_file_is_written(tmp_path):
     assert len(lines) == 12 and json.loads(lines[0])["prompt"] == "prompt 0"
     md = (tmp_path / "out" / "report.md").read_text()
     for text in ("## Summary", "| rate 1/s | 5/6 |", "TTFT ≤ 200 ms", "By intent tag `language`", "By workload",
-                 "tether / engine = **0.50×**", "tether / transformers = **2.00×**", "## Chaos\n\nNot requested"):
+                 "tether / engine = **0.50×**", "tether / transformers = **2.00×**", "## Chaos\n\nNot requested",
+                 "| llama_cpp | llama.cpp (", "| model tiny has no GGUF file", "tether / llama.cpp = **–**"):
         assert text in md, text
     assert "MISMATCH(ES) FOUND" not in md
     if _has_matplotlib():
@@ -139,3 +143,18 @@ def test_baseline_ratio_is_the_median_of_per_repeat_ratios():
     from tether.loadtest.results import median_ratio
     assert median_ratio([10.0, 30.0, 12.0], [20.0, 20.0, 12.0]) == pytest.approx(1.0)
     assert median_ratio([10.0], []) is None
+
+
+def test_the_llama_cpp_baseline_shows_its_latency_command_and_ratio(tmp_path):
+    recs = records("rate 1/s")
+    measured = dict(BASELINES, served=dict(BASELINES["served"], ttft_p50_ms=120.0, tpot_p50_ms=30.0),
+                    llama_cpp=dict(output_token_throughput=100.0, runs=[80.0, 120.0], ttft_p50_ms=900.0,
+                                   tpot_p50_ms=9.0),
+                    llama_cpp_threads=2, llama_cpp_command="/venv/bin/python -m llama_cpp.server --n_threads 2",
+                    ratios=dict(BASELINES["ratios"], vs_llama_cpp=0.5))
+    report.write_all(build([(1, recs, None)], measured), recs, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| served | tether, served over gRPC (closed loop, concurrency = batch size) | 50.0 | 120 | 30 |" in md
+    assert "2 thread(s); serializes requests), over its OpenAI API at concurrency = batch size | 100.0 | 900 | 9 |" in md
+    assert "The llama.cpp server: `/venv/bin/python -m llama_cpp.server --n_threads 2`." in md
+    assert "tether / llama.cpp = **0.50×**" in md

@@ -30,13 +30,21 @@ def test_a_level_is_the_report_dict_with_capacity_only_when_searched():
 
 def test_baselines_give_medians_ratios_and_errors_only_where_a_side_failed():
     b = BaselinesResult(4, 4, 4, 1, 1, 2, 2, served=Side([40.0, 60.0]), engine=Side([100.0, 100.0]),
-                        hf=Side([20.0, 30.0]), hf_cb=Side(error="generate_batch failed: x"))
+                        hf=Side([20.0, 30.0]), hf_cb=Side(error="generate_batch failed: x"),
+                        llama_cpp=Side([80.0, 120.0], ttft_p50_ms=[10.0, 30.0], tpot_p50_ms=[5.0, 7.0]),
+                        llama_cpp_threads=2, llama_cpp_command="python -m llama_cpp.server")
     out = b.to_json()
     assert list(out) == ["requests", "completed", "batch_size", "threads", "stage_threads", "stages", "repeats",
-                         "served", "engine", "hf", "hf_cb", "ratios"]
+                         "served", "engine", "hf", "hf_cb", "llama_cpp", "llama_cpp_threads", "llama_cpp_command",
+                         "ratios"]
     assert out["served"] == {"output_token_throughput": 50.0, "runs": [40.0, 60.0]}
     assert out["hf_cb"] == {"output_token_throughput": None, "runs": [], "error": "generate_batch failed: x"}
-    assert out["ratios"] == {"vs_engine": 0.5, "vs_hf": 2.0, "vs_hf_cb": None}
+    assert out["llama_cpp"] == {"output_token_throughput": 100.0, "runs": [80.0, 120.0], "ttft_p50_ms": 20.0,
+                                "tpot_p50_ms": 6.0, "ttft_p50_ms_runs": [10.0, 30.0], "tpot_p50_ms_runs": [5.0, 7.0]}
+    assert out["ratios"] == {"vs_engine": 0.5, "vs_hf": 2.0, "vs_hf_cb": None, "vs_llama_cpp": 0.5}
+    skipped = BaselinesResult(4, 4, 4, 1, 1, 2, 1, Side([1.0]), Side([1.0]), Side([1.0]), Side([1.0]),
+                              llama_cpp=Side(error="model tiny has no GGUF file")).to_json()
+    assert skipped["llama_cpp"]["error"] == "model tiny has no GGUF file" and skipped["ratios"]["vs_llama_cpp"] is None
 
 
 def test_a_chaos_cell_sums_its_counts_and_adds_what_a_spawned_run_knows():
