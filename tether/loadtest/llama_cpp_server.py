@@ -93,6 +93,11 @@ class LlamaCppServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def display_command(self) -> list[str]:
+        """The command as a user would type it: what LAUNCH runs, without the launcher."""
+        return [self.command[0], "-m", "llama_cpp.server", *self.command[4:]]
+
     def __enter__(self) -> "LlamaCppServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:

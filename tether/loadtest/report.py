@@ -278,6 +278,8 @@ def _baselines_md(b: dict | None) -> list[str]:
                                      "batch size")):
         side = b.get(name, {})
         tok_s = fmt(side["output_token_throughput"]) if side.get("output_token_throughput") else side.get("error", "–")
+        if side.get("output_token_throughput") and side.get("error"):   # measured, but not every request completed
+            tok_s += f" ({side['error']})"
         rows.append([name, what, tok_s, fmt(side.get("ttft_p50_ms"), 0), fmt(side.get("tpot_p50_ms"), 0),
                      ", ".join(fmt(x) for x in side.get("runs", []))])
     command = ([f"The llama.cpp server: `{b['llama_cpp_command']}`.", ""] if b.get("llama_cpp_command") else [])

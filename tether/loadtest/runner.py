@@ -189,7 +189,7 @@ class Bench:
                                threads=o.baseline_threads, stage_threads=o.stage_threads, stages=o.stages,
                                repeats=o.repeats, served=served, engine=engine, hf=hf_side, hf_cb=hf_cb,
                                llama_cpp=llama, llama_cpp_threads=o.llama_cpp_threads,
-                               llama_cpp_command=shlex.join(server.command) if server is not None else "")
+                               llama_cpp_command=shlex.join(server.display_command) if server is not None else "")
 
     def start_llama_cpp(self, side: Side, stack: contextlib.ExitStack) -> llama_cpp_server.LlamaCppServer | None:
         """The llama.cpp baseline's server, up for the whole baseline run (`stack` stops it), or None with the
@@ -205,7 +205,7 @@ class Bench:
                                                  self.lm.config.max_position_embeddings,
                                                  Path(o.llama_cpp_log or "llama-cpp-server.log"))
         if not o.quiet:
-            print(f"starting the llama.cpp baseline: {shlex.join(server.command[:1] + server.command[4:])} ...",
+            print(f"starting the llama.cpp baseline: {shlex.join(server.display_command)} ...",
                   file=sys.stderr, flush=True)
         try:
             return stack.enter_context(server)
@@ -236,6 +236,9 @@ def timed(side: Side, run: loadgen.LevelRun) -> None:
     """One repeat of a side served through a load client: its output tok/s, TTFT and TPOT p50."""
     summary = stats.level_summary(run.records, run.wall_s, None)
     side.runs.append(summary["output_token_throughput"] or 0.0)
+    failed = [r for r in run.records if not r.ok]
+    if failed and not side.error:   # its figures count only what completed: say what did not
+        side.error = f"{len(failed)} of {len(run.records)} requests failed ({failed[0].error_code}: {failed[0].error})"
     for key, values in (("ttft", side.ttft_p50_ms), ("tpot", side.tpot_p50_ms)):
         p50 = summary["latency_ms"][key]["p50"]
         if p50 is not None:

@@ -110,6 +110,7 @@ def test_the_server_is_up_inside_the_block_and_gone_after_it(fake_llama_cpp):
         assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
         raise KeyboardInterrupt   # Ctrl-C in the middle of the baseline: the server still stops
     assert server.proc is not None and server.proc.poll() is not None
+    assert server.display_command[:3] == [sys.executable, "-m", "llama_cpp.server"]
     argv = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("argv"))[5:])
     assert argv[:2] == ["--model", "model.gguf"] and argv[argv.index("--n_threads") + 1] == "3"
 
@@ -186,3 +187,16 @@ def test_the_real_llama_cpp_server_streams_the_budget_of_the_default_model(tmp_p
         rec = asyncio.run(send(server.base_url))
     assert rec.ok, rec.error
     assert rec.output_tokens == 8 and rec.finish_reason == "length" and rec.text
+
+
+def test_a_served_side_keeps_its_figures_and_says_what_failed():
+    from tether.loadtest.records import RequestRecord
+    from tether.loadtest.results import Side
+    from tether.loadtest.runner import timed
+    req = BenchRequest(0, "synthetic", "p", 5, ignore_eos=True)
+    done = RequestRecord(req, "t", ttft=0.1, e2e=0.5, token_ids=[llama_cpp_client.NO_ID] * 5)
+    refused = RequestRecord(req, "t", error_code="UNAVAILABLE", error="connection refused")
+    side = Side()
+    timed(side, loadgen.LevelRun(loadgen.Level("closed", concurrency=2), [done, refused], 1.0))
+    assert side.runs == [5.0] and side.ttft_p50_ms == [100.0] and side.tpot_p50_ms == [pytest.approx(100.0)]
+    assert side.error == "1 of 2 requests failed (UNAVAILABLE: connection refused)"
