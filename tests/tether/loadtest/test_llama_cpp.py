@@ -28,7 +28,7 @@ FAKE_SERVER = textwrap.dedent('''
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     p = argparse.ArgumentParser()
-    for flag in ("--model", "--n_threads", "--n_threads_batch", "--n_ctx", "--host", "--port"):
+    for flag in ("--model", "--n_threads", "--n_threads_batch", "--n_ctx", "--interrupt_requests", "--host", "--port"):
         p.add_argument(flag, required=True)
     a = p.parse_args()
     if a.model == "exit":
@@ -79,7 +79,7 @@ def test_the_command_runs_llama_cpp_server_on_the_gguf_with_the_stages_threads()
     assert cmd[3] == "77"   # the bench's pid, popped by the launcher before the server parses its flags
     flags = dict(zip(cmd[4::2], cmd[5::2]))
     assert flags == {"--model": "/m/model.gguf", "--n_threads": "4", "--n_threads_batch": "4", "--n_ctx": "8192",
-                     "--host": "127.0.0.1", "--port": "8123"}
+                     "--interrupt_requests": "false", "--host": "127.0.0.1", "--port": "8123"}
 
 
 def test_only_the_default_model_has_a_gguf():
@@ -168,7 +168,7 @@ def _real_python() -> str | None:
     return None if llama_cpp_server.import_check(python) else python
 
 
-def test_the_real_llama_cpp_server_streams_the_budget_of_the_default_model(tmp_path):
+def test_the_real_llama_cpp_server_streams_two_requests_at_once_to_their_budget(tmp_path):
     python = _real_python()
     if python is None:
         pytest.skip("llama-cpp-python[server] is not installed (set TETHER_LLAMA_CPP_PYTHON to its interpreter)")
@@ -181,12 +181,15 @@ def test_the_real_llama_cpp_server_streams_the_budget_of_the_default_model(tmp_p
 
     async def send(base_url: str):
         async with LlamaCppStreamClient(base_url, 60, lambda s: [0] * len(s.split()), {0, 2}) as client:
-            return await loadgen.run_request(client, req, "t", 0.0)   # type: ignore[arg-type]
+            return await asyncio.gather(*(loadgen.run_request(client, req, "t", 0.0)   # type: ignore[arg-type]
+                                          for _ in range(2)))
 
     with LlamaCppServer(python, gguf, 1, 2048, tmp_path / "llama.log") as server:
-        rec = asyncio.run(send(server.base_url))
-    assert rec.ok, rec.error
-    assert rec.output_tokens == 8 and rec.finish_reason == "length" and rec.text
+        records = asyncio.run(send(server.base_url))
+    # Two at once: the second waits its turn (--interrupt_requests false) instead of cutting the first off.
+    for rec in records:
+        assert rec.ok, rec.error
+        assert rec.output_tokens == 8 and rec.finish_reason == "length" and rec.text
 
 
 def test_a_served_side_keeps_its_figures_and_says_what_failed():
