@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests at concurrency --batch-size over its OpenAI API; skipped, with the reason in "
                         "the report, when it is not importable there or the model has no GGUF (only smollm2 "
                         "has) (default: this interpreter)")
+    g.add_argument("--llama-cpp-threads", type=positive_int, default=None, metavar="N",
+                   help="threads of the llama.cpp baseline (default: the cluster's stages' in total, stages x "
+                        "--threads x pipelines; on a shared machine fewer may be fairer: a llama.cpp whose threads "
+                        "lose a core stalls at every barrier, see docs/PERFORMANCE.md)")
     g.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                    help="baseline runs per side, interleaved; the report gives medians (default: %(default)s)")
     g = p.add_argument_group(
@@ -304,7 +308,7 @@ def options_of(args: argparse.Namespace) -> BenchOptions:
         capacity_start=args.rate or 1.0, baseline_requests=args.baseline_requests, batch_size=args.batch_size,
         baseline_threads=args.baseline_threads or threads, repeats=args.repeats, api=args.api,
         base_url=args.base_url, llama_cpp_python=args.llama_cpp_python,
-        llama_cpp_threads=threads * args.stages * args.pipelines,
+        llama_cpp_threads=args.llama_cpp_threads or threads * args.stages * args.pipelines,
         llama_cpp_log=str(args.out / "logs" / "llama-cpp-server.log"))
 
 

@@ -203,3 +203,13 @@ def test_a_served_side_keeps_its_figures_and_says_what_failed():
     timed(side, loadgen.LevelRun(loadgen.Level("closed", concurrency=2), [done, refused], 1.0))
     assert side.runs == [5.0] and side.ttft_p50_ms == [100.0] and side.tpot_p50_ms == [pytest.approx(100.0)]
     assert side.error == "1 of 2 requests failed (UNAVAILABLE: connection refused)"
+
+
+def test_llama_cpp_gets_the_stages_threads_in_total_unless_told_otherwise(tmp_path):
+    from tether.loadtest.cli import build_parser, options_of
+    flags = ["--stages", "3", "--threads", "2", "--pipelines", "2", "--baselines", "--out", str(tmp_path)]
+    o = options_of(build_parser().parse_args(flags))
+    assert (o.llama_cpp_threads, o.llama_cpp_python) == (12, sys.executable)
+    assert o.llama_cpp_log == str(tmp_path / "logs" / "llama-cpp-server.log")
+    o = options_of(build_parser().parse_args([*flags, "--llama-cpp-threads", "1", "--llama-cpp-python", "/v/python"]))
+    assert (o.llama_cpp_threads, o.llama_cpp_python) == (1, "/v/python")
