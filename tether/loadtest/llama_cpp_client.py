@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from tether.client import TetherError
-from tether.loadtest.openai_stream import CODES
+from tether.loadtest.openai_stream import AsyncOpenAIClient, StreamBase, tether_error
 from tether.types import GenerateResult, Receipt
 
 NO_ID = -1          # the placeholder id of a token llama.cpp streamed
@@ -42,37 +42,7 @@ def output_tokens(text: str, finish_reason: str, max_tokens: int, encode: Callab
     return max_tokens if finish_reason == "length" else len(encode(text))
 
 
-class LlamaCppStreamClient:
-    """`async with LlamaCppStreamClient(base_url, ...) as c: async for _ in (s := c.stream(prompt, ...))`."""
-
-    def __init__(self, base_url: str, timeout: float, encode: Callable[[str], list[int]],
-                 eos_ids: Iterable[int]) -> None:
-        import openai   # the bench extra; only the baselines need it
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0)
-        self.openai = openai
-        self.encode, self.eos_ids = encode, frozenset(eos_ids)
-        self.model = ""
-
-    async def __aenter__(self) -> "LlamaCppStreamClient":
-        self.model = (await self.client.models.list()).data[0].id
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.client.close()
-
-    def stream(self, prompt: str, **params) -> "_Stream":
-        return _Stream(self, prompt, params)
-
-
-class _Stream:
-    def __init__(self, owner: LlamaCppStreamClient, prompt: str, params: dict) -> None:
-        self.owner, self.prompt, self.params = owner, prompt, params
-        self.result: GenerateResult | None = None
-        self.tags: dict = {}
-
-    def __aiter__(self):
-        return self._run()
-
+class _Stream(StreamBase):
     async def _run(self):
         p, o = self.params, self.owner
         text: list[str] = []
@@ -92,12 +62,11 @@ class _Stream:
                 chunks += 1
                 text.append(choice.text)
                 yield NO_ID   # one chunk: one token or more (a split character); the loadgen times chunks
-        except o.openai.APIStatusError as e:
-            raise TetherError(str(e), CODES.get(e.status_code, grpc.StatusCode.INTERNAL)) from None
-        except o.openai.APITimeoutError as e:
-            raise TetherError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except o.openai.APIConnectionError as e:
-            raise TetherError(str(e), grpc.StatusCode.UNAVAILABLE) from None
+        except o.openai.OpenAIError as e:
+            error = tether_error(o.openai, e)
+            if error is None:
+                raise
+            raise error from None
         if not finish:
             raise TetherError("the llama.cpp stream ended without a finish reason", grpc.StatusCode.INTERNAL)
         answer = "".join(text)
@@ -105,3 +74,14 @@ class _Stream:
         n = max(chunks, output_tokens(answer, finish, p["max_tokens"], o.encode))
         prompt_tokens = len(o.encode(self.prompt))
         self.result = GenerateResult(answer, [NO_ID] * n, finish, Receipt("", 0, prompt_tokens, 0, n, "llama.cpp"))
+
+
+class LlamaCppStreamClient(AsyncOpenAIClient):
+    """`async with LlamaCppStreamClient(base_url, ...) as c: async for _ in (s := c.stream(prompt, ...))`."""
+
+    STREAM = _Stream
+
+    def __init__(self, base_url: str, timeout: float, encode: Callable[[str], list[int]],
+                 eos_ids: Iterable[int]) -> None:
+        super().__init__(base_url, timeout)
+        self.encode, self.eos_ids = encode, frozenset(eos_ids)

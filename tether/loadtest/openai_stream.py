@@ -24,29 +24,46 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
          504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-class OpenAIStreamClient:
-    """`async with OpenAIStreamClient(base_url) as c: async for _ in (s := c.stream(prompt, ...))`: s.result."""
+class AsyncOpenAIClient:
+    """What both OpenAI-API load clients share (admission's face here, llama.cpp's server in
+    llama_cpp_client.py): the official async client, the served model's name read on entry, and `stream`
+    making the subclass's `STREAM` for one request."""
 
-    def __init__(self, base_url: str, timeout: float, api_key: str | None = None) -> None:
-        import openai   # the bench extra; only this mode needs it
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("TETHER_API_KEY")
-                                         or "unused", timeout=timeout, max_retries=0)
+    STREAM: type["StreamBase"]
+
+    def __init__(self, base_url: str, timeout: float, api_key: str = "unused") -> None:
+        import openai   # the bench extra; only these modes need it
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
         self.openai = openai
         self.model = ""
 
-    async def __aenter__(self) -> "OpenAIStreamClient":
+    async def __aenter__(self):
         self.model = (await self.client.models.list()).data[0].id
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.close()
 
-    def stream(self, prompt: str, **params) -> "_Stream":
-        return _Stream(self, prompt, params)
+    def stream(self, prompt: str, **params) -> "StreamBase":
+        return self.STREAM(self, prompt, params)
 
 
-class _Stream:
-    def __init__(self, owner: OpenAIStreamClient, prompt: str, params: dict) -> None:
+def tether_error(openai, e: Exception) -> TetherError | None:
+    """The TetherError an `openai` client error stands for (HTTP status read back as its gRPC status), or None."""
+    if isinstance(e, openai.APIStatusError):
+        message = (e.body or {}).get("message", str(e)) if isinstance(e.body, dict) else str(e)
+        return TetherError(message, CODES.get(e.status_code, grpc.StatusCode.INTERNAL))
+    if isinstance(e, openai.APITimeoutError):
+        return TetherError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED)
+    if isinstance(e, openai.APIConnectionError):
+        return TetherError(str(e), grpc.StatusCode.UNAVAILABLE)
+    return None
+
+
+class StreamBase:
+    """One streamed request, iterated for its token ids; `result` (and `tags`) once it ends."""
+
+    def __init__(self, owner, prompt: str, params: dict) -> None:
         self.owner, self.prompt, self.params = owner, prompt, params
         self.result: GenerateResult | None = None
         self.tags: dict = {}
@@ -54,6 +71,11 @@ class _Stream:
     def __aiter__(self):
         return self._run()
 
+    def _run(self):
+        raise NotImplementedError
+
+
+class _Stream(StreamBase):
     async def _run(self):
         p, o = self.params, self.owner
         text: list[str] = []
@@ -75,13 +97,11 @@ class _Stream:
                     yield token_id
                 if choice.finish_reason:
                     tether = (chunk.model_extra or {}).get("tether") or {}
-        except o.openai.APIStatusError as e:
-            message = (e.body or {}).get("message", str(e)) if isinstance(e.body, dict) else str(e)
-            raise TetherError(message, CODES.get(e.status_code, grpc.StatusCode.INTERNAL)) from None
-        except o.openai.APITimeoutError as e:
-            raise TetherError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except o.openai.APIConnectionError as e:
-            raise TetherError(str(e), grpc.StatusCode.UNAVAILABLE) from None
+        except o.openai.OpenAIError as e:
+            error = tether_error(o.openai, e)
+            if error is None:
+                raise
+            raise error from None
         r = tether.get("receipt")
         if r is None:
             raise TetherError("the stream ended without its final chunk (no tether receipt)", grpc.StatusCode.INTERNAL)
@@ -90,3 +110,12 @@ class _Stream:
                           int(r["context_hash"], 16), r["output_tokens"], r["model_fingerprint"], r["internal_id"])
         self.result = GenerateResult("".join(text), ids, tether.get("finish_reason", ""), receipt, self.tags,
                                      tether.get("seed", 0))
+
+
+class OpenAIStreamClient(AsyncOpenAIClient):
+    """`async with OpenAIStreamClient(base_url) as c: async for _ in (s := c.stream(prompt, ...))`: s.result."""
+
+    STREAM = _Stream
+
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None) -> None:
+        super().__init__(base_url, timeout, api_key or os.environ.get("TETHER_API_KEY") or "unused")
