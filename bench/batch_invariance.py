@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tether.model.invariant import padded_rows
 from tether.model.llama import ModelSlice, SlotRows
-from tether.model import numerics
+from tether.model import dtypes
 from tether.model.loader import load_slice, resolve_model
 from tether.model.plain import PlainSlice
 from tether.model.tiles import AttentionPlan
@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median ratio is reported")
     p.add_argument("--long", type=int, default=1500, help="one long prompt's length (0 skips; default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--dtype", default="float32", choices=numerics.CHOICES,
+    p.add_argument("--dtype", default="float32", choices=dtypes.CHOICES,
                    help="both sides' dtype; auto: the services' choice here (default: %(default)s)")
     p.add_argument("--padded", action="store_true", help="pad the invariant kernels' rows as fp32 does, also where "
                    "the probe lets the dtype run unpadded (bf16 before its floor was found: the cost of padding)")

@@ -18,7 +18,7 @@ from tether.generation import sampler
 from tether.generation.inprocess import InProcessEngine, forward_last
 from tether.generation.sequence import Sequence
 from tether.model.chat_template import ChatTemplate, load_chat_template, tokenize_conversation
-from tether.model import numerics
+from tether.model import dtypes, numerics
 from tether.model.config import ModelConfig
 from tether.model.llama import ModelSlice
 from tether.model.loader import load_model_tokenizer, load_slice, model_fingerprint, resolve_model
@@ -44,7 +44,7 @@ class LoadedModel:
     def served_fingerprint(self) -> str:
         """The model and the dtype it runs in here: what a served receipt names (`fingerprint`, the model's
         alone, keys the sampling seeds, as the coordinator's does)."""
-        return numerics.served_fingerprint(self.fingerprint, numerics.name_of(self.model.dtype))
+        return dtypes.served_fingerprint(self.fingerprint, numerics.name_of(self.model.dtype))
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,7 @@ from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
 from tether.model.config import ModelConfig, parse_layers
-from tether.model import numerics
+from tether.model import dtypes, numerics
 from tether.model.loader import checked_fingerprint, load_slice, resolve_model
 from tether.security import authz
 from tether.telemetry import logs, metrics
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=":",
                    help="layers to hold: START:END (END exclusive) or I/N for slice I of an even split into N "
                         "(default: all)")
-    p.add_argument("--dtype", default=settings.DTYPE, choices=numerics.CHOICES,
+    p.add_argument("--dtype", default=settings.DTYPE, choices=dtypes.CHOICES,
                    help="compute dtype; auto: bfloat16 where this CPU runs it natively and invariantly, else "
                         "float32 (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")

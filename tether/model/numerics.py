@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
 from tether.model.invariant import threads_for
-from tether.model.dtypes import AUTO, CHOICES, NAMES, model_part, served_fingerprint  # noqa: F401 - re-exported
+from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == NAMES
@@ -178,13 +179,20 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
 _LOCK = threading.Lock()
 
 
-# Bump when `probe` changes what it checks: answers kept on disk by an older probe are then not read.
-PROBE_VERSION = 2
+# The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
+# makes a new key, so an answer found by other code is never read (no version number to forget to bump).
+_PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    here = Path(__file__).parent
+    return xxhash.xxh3_64_hexdigest(b"".join((here / name).read_bytes() for name in _PROBED_CODE))
 
 
 @functools.lru_cache(maxsize=16)
 def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> int | None:
-    return probe_cache.cached(probe_cache.key(PROBE_VERSION, cfg, dtype, threads), lambda: probe(cfg, dtype))
+    return probe_cache.cached(probe_cache.key(_code_digest(), cfg, dtype, threads), lambda: probe(cfg, dtype))
 
 
 def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:

@@ -1,10 +1,11 @@
 """The numerics probe's answer kept on disk, per machine: every stage start and every `tether.reference` ran the
 probe (seconds of CPU on the real model) to learn what the previous process on the same machine had learnt.
 
-The key is everything the answer depends on: the probe's own version, torch's version, the CPU (model name and
+The key is everything the answer depends on: the code of the probe and of the ops it checks, torch's version, the CPU (model name and
 feature flags), the model's shapes, the dtype and the thread count. A different machine, CPU or torch makes a
 different key, so a stale answer is never read; a file that cannot be read or parsed is probed again.
-TETHER_PROBE_CACHE=0 turns the cache off (the probe runs in every process, as before).
+TETHER_PROBE_CACHE=0 turns the cache off (the probe runs in every process, as before). The files are as
+trusted as the model folders beside them in the same cache: whoever can write there can change the weights too.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from tether import settings
 from tether.model.config import ModelConfig
 from tether.model.presets import tether_home
 
-_MISSING = object()
-
-
 def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The first CPU's model name and feature flags (what kernel choices depend on); empty where unreadable."""
     try:
@@ -37,8 +35,9 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return "\n".join(keep)
 
 
-def key(version: int, cfg: ModelConfig, dtype: torch.dtype, threads: int, cpu: str | None = None) -> str:
-    parts = {"probe": version, "torch": torch.__version__, "cpu": cpu_identity() if cpu is None else cpu,
+def key(code: str, cfg: ModelConfig, dtype: torch.dtype, threads: int, cpu: str | None = None) -> str:
+    """The answer's key: `code` names the probe's code (numerics._code_digest), the rest what it ran on."""
+    parts = {"code": code, "torch": torch.__version__, "cpu": cpu_identity() if cpu is None else cpu,
              "model": asdict(cfg), "dtype": str(dtype), "threads": threads}
     return xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True, default=str).encode())
 
@@ -53,15 +52,12 @@ def cached(k: str, compute: Callable[[], int | None], folder: Path | None = None
         return compute()
     folder = folder or tether_home() / "probes"
     path = folder / f"{k}.json"
-    got: object = _MISSING
     try:
         value = json.loads(path.read_text())["floor"]
-        if value is None or (isinstance(value, int) and value >= 1):
-            got = value
+        if value is None or (type(value) is int and value >= 1):
+            return value
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if got is not _MISSING:
-        return got   # type: ignore[return-value]  # checked just above: None or an int >= 1
+        pass   # missing or unreadable: probe again
     value = compute()
     try:
         folder.mkdir(parents=True, exist_ok=True)

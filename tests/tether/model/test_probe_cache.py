@@ -1,5 +1,5 @@
 """The numerics probe's answer is kept per machine: a second process reads it instead of probing; a different
-CPU, torch, model, dtype, thread count or probe version is a different key; a broken file is probed again."""
+CPU, torch, model, dtype, thread count or probe code is a different key; a broken file is probed again."""
 
 from __future__ import annotations
 
@@ -51,16 +51,16 @@ def test_off_switch_probes_every_time(tmp_path, monkeypatch):
 
 def test_the_key_names_everything_the_answer_depends_on():
     cfg = PRESETS["tiny"]
-    base = probe_cache.key(2, cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16")
-    others = [probe_cache.key(3, cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16"),
-              probe_cache.key(2, PRESETS["small"], torch.bfloat16, 1, cpu="flags: avx512_bf16"),
-              probe_cache.key(2, dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 16),
+    base = probe_cache.key("a", cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16")
+    others = [probe_cache.key("b", cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16"),
+              probe_cache.key("a", PRESETS["small"], torch.bfloat16, 1, cpu="flags: avx512_bf16"),
+              probe_cache.key("a", dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 16),
                               torch.bfloat16, 1, cpu="flags: avx512_bf16"),
-              probe_cache.key(2, cfg, torch.float16, 1, cpu="flags: avx512_bf16"),
-              probe_cache.key(2, cfg, torch.bfloat16, 2, cpu="flags: avx512_bf16"),
-              probe_cache.key(2, cfg, torch.bfloat16, 1, cpu="flags: avx2")]
+              probe_cache.key("a", cfg, torch.float16, 1, cpu="flags: avx512_bf16"),
+              probe_cache.key("a", cfg, torch.bfloat16, 2, cpu="flags: avx512_bf16"),
+              probe_cache.key("a", cfg, torch.bfloat16, 1, cpu="flags: avx2")]
     assert len({base, *others}) == 1 + len(others)
-    assert base == probe_cache.key(2, cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16")
+    assert base == probe_cache.key("a", cfg, torch.bfloat16, 1, cpu="flags: avx512_bf16")
 
 
 def test_a_second_process_reads_what_the_first_probed(tmp_path):
@@ -81,3 +81,21 @@ def test_a_second_process_reads_what_the_first_probed(tmp_path):
     assert second.stdout == first.stdout
     if not numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags()):   # elsewhere bf16 is never probed: no file
         assert len(list((tmp_path / "probes").glob("*.json"))) == 1
+
+
+def test_the_probed_code_is_part_of_the_key(monkeypatch, tmp_path):
+    """An edit to the probe or the ops it checks is a new key: copy the files, change one byte, and the digest moves."""
+    import shutil
+    from pathlib import Path
+    here = Path(numerics.__file__).parent
+    for name in numerics._PROBED_CODE:
+        shutil.copy(here / name, tmp_path / name)
+    monkeypatch.setattr(numerics, "__file__", str(tmp_path / "numerics.py"))
+    numerics._code_digest.cache_clear()
+    try:
+        same = numerics._code_digest()
+        (tmp_path / "tiles.py").write_text((tmp_path / "tiles.py").read_text() + "\n# edited\n")
+        numerics._code_digest.cache_clear()
+        assert numerics._code_digest() != same
+    finally:
+        numerics._code_digest.cache_clear()
