@@ -72,8 +72,8 @@ def main() -> None:
         positions = sum(c[1].numel() for c in contexts)
         result[dtype] = dict(max_abs_logit_diff=worst, mean_abs_logit_diff=total / count,
                              greedy_agreement=agree / positions, greedy_agreement_continuation=agree_new / new,
-                             positions=positions, continuation_positions=new, padded=model.pad)
-        print(f"{dtype}{'' if model.pad else ' (unpadded)'}: max |logit diff| {worst:.4f}, mean {total / count:.5f}; "
+                             positions=positions, continuation_positions=new, padded=model.rows.padded)
+        print(f"{dtype}{'' if model.rows.padded else ' (unpadded)'}: max |logit diff| {worst:.4f}, mean {total / count:.5f}; "
               f"argmax agrees at {agree}/{positions} positions, {agree_new}/{new} of the continuation", flush=True)
     print(f"({len(contexts)} prompts: {sum(c[0] == 'zh' for c in contexts)} zh, {sum(c[0] == 'en' for c in contexts)} en; "
           f"auto chooses {numerics.resolve('auto', model.cfg)} here)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tether.model.invariant import padded_rows
 from tether.model.llama import ModelSlice, SlotRows
-from tether.model import dtypes
+from tether.model import dtypes, numerics
 from tether.model.loader import load_slice, resolve_model
 from tether.model.plain import PlainSlice
 from tether.model.tiles import AttentionPlan
@@ -97,10 +97,10 @@ def _decode_slot(model: Model, context: int) -> list[SlotRows]:
 def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
     """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
     the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
-    cfg, rows = inv.cfg, padded_rows(1, pad=inv.pad, floor=inv.min_rows)
+    cfg, rows = inv.cfg, padded_rows(1, inv.rows)
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     si, sp = _decode_slot(inv, context), _decode_slot(plain, context)
-    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.pad)
+    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.rows)
     q, k = torch.randn(rows, heads, d).to(inv.dtype), torch.randn(rows, kv_heads, d).to(inv.dtype)
     linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(rows, m.in_features).to(inv.dtype) for m in linears]
@@ -112,7 +112,7 @@ def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) ->
         "linears at 1 row": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
         "tile attention, every layer": lambda: [plan.attend(q, k, k, 0) for _ in layers],
         "SDPA per request, every layer": lambda: [per_slot.attend(q[:1], k[:1], k[:1], 0) for _ in layers],
-        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.pad),
+        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.rows),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}
     for _ in range(repeats + 1):   # the first round warms up
@@ -145,7 +145,8 @@ def main() -> None:
 
     def invariant(folder) -> ModelSlice:
         inv = load_slice(folder, dtype=args.dtype)
-        inv.pad = inv.pad or args.padded
+        if args.padded and not inv.rows.padded:
+            inv.rows = numerics.padded_probe(inv.cfg, inv.dtype)
         return inv
 
     if args.threads:
@@ -166,7 +167,7 @@ def main() -> None:
     for name in args.model or ["tiny", "small"]:
         folder = resolve_model(name)
         plain, inv = PlainSlice(load_slice(folder, dtype=args.dtype)), invariant(folder)
-        print(f"<!-- {name}: {inv.dtype}, {'padded' if inv.pad else f'unpadded, at least {inv.min_rows} rows'} -->")
+        print(f"<!-- {name}: {inv.dtype}, {inv.rows} -->")
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()
             dec_plain, dec = ratio(plain, inv, lambda m, b=b: decode_tokens_per_s(m, [args.context] * b, args.steps),

@@ -89,3 +89,20 @@ def wait_admission_routes_every_pipeline(cluster: LocalCluster, timeout: float =
         if time.monotonic() > deadline:
             raise TimeoutError(f"admission routes to {up} of {cluster.pipelines} pipelines after {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def second_dtype(model: str = "tiny") -> str:
+    """A dtype besides float32 that this machine serves `model` in exactly (bf16 where its kernels are
+    invariant here, else fp16): what a pipeline that mixes numerics is made of. Skips where there is none."""
+    import pytest
+
+    from tether.model import numerics
+    from tether.model.config import ModelConfig
+    from tether.model.loader import resolve_model
+
+    cfg = ModelConfig.from_folder(resolve_model(model))
+    for name in ("bfloat16", "float16"):
+        if numerics.servable_rule(cfg, numerics.DTYPES[name]) is not None:
+            return name
+    pytest.skip("no dtype besides float32 has batch-invariant kernels on this CPU")
+    raise AssertionError("unreachable")

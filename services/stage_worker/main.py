@@ -108,7 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving(True)
     leases = supervise.start("lease", servicer.expire_leases)
     logs.announce(log, f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, "
-                       f"model {fingerprint}, {worker.dtype}{'' if model.pad else ' unpadded'})")
+                       f"model {fingerprint}, {worker.dtype} {model.rows})")
     try:
         await server.wait_for_signal()
     finally:

@@ -1,24 +1,25 @@
 """Batch-invariant kernels: a row's result never depends on the other rows of its micro-batch, on how its
 request's prompt was chunked, or on the thread count.
 
-What we found on torch 2.13 CPU (MKL sgemm, AVX-512; see docs/ARCHITECTURE.md "Batch invariance"):
-- A GEMM row's bits depend on the row count M only through three classes: M = 1, M in {2, 3}, M >= 4.
-  With T threads, MKL splits the rows among threads and a thread's share of 2-3 rows drops into the
-  second class, so M in 5..7 and 9..11 broke with T = 2. Every M that is a multiple of 4*T agreed with
-  every other such M and with 1-thread results, for every shape tried. Hence `padded_rows`.
-- Vectorised elementwise ops (exp in silu and softmax) take a scalar path for a tensor's tail, whose
-  results can differ by an ulp from the vector path. Padding rows to a multiple of 4*T keeps every
-  tensor (and every thread's chunk of it) a multiple of the vector width when widths are multiples of 16.
-
-- Since every multiple of 4*T rows on T threads has the 1-thread bits, a micro-batch needs no more threads
-  than it has 4-row units: `invariant_threads` runs a batch of 1-4 rows on 1 thread padded to 4 rows, not on
-  T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
-
-- bf16 through oneDNN on a CPU with native bf16 (avx512_bf16, amx_bf16) needs almost none of this: its GEMM
-  rows have the same bits for every row count >= 2 and thread count, but a 1-row product over K = 1536
-  (smollm2's down_proj) gives ~10% of rows other bits. tether/model/numerics.py probes every window of rows at
-  start-up on the model's own shapes and returns the floor to pad to (`padded_rows(..., pad=False, floor=2)`
-  on smollm2: a decode step alone runs as 2 rows, every other batch on its own rows).
+A GEMM row's bits depend on the row count M through the kernel paths the BLAS picks for M and the thread
+count, and those paths differ between CPUs, so the rows a micro-batch is padded to are a `RowRule` the machine
+finds at start-up (tether/model/numerics.py probes every op class on the model's own shapes):
+- An AMD EPYC (torch 2.13, MKL sgemm, AVX-512): three classes, M = 1, M in {2, 3}, M >= 4; with T threads MKL
+  splits the rows among them, so every multiple of 4*T rows has the 1-thread bits: unit 4.
+- An Intel Xeon (the same torch and MKL, AVX-512 with AMX): every M < 16 has bits of its own and every
+  M >= 16 shares one class at 1 thread (unit 16); on 2 threads MKL splits 1536->576 and 1376->512 products
+  another way for some M (64-192, below 173), so that model's forward keeps to 1 thread (`RowRule.threads`).
+- Vectorised elementwise ops (exp in silu and softmax) take a scalar path for a tensor's tail, whose results
+  can differ by an ulp from the vector path. Rows padded to a multiple of unit*T keep every tensor (and every
+  thread's chunk of it) a multiple of the vector width when widths are multiples of 16.
+- Since every padded row count on T threads has the 1-thread bits, a micro-batch needs no more threads than
+  it has units of rows: `invariant_threads` runs a batch of 1-4 rows (unit 4) on 1 thread padded to 4 rows,
+  not on T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
+- bf16 through oneDNN on a CPU with native bf16 (the EPYC's avx512_bf16) needed almost none of this: its GEMM
+  rows had the same bits for every row count >= 2 and thread count, but a 1-row product over K = 1536
+  (smollm2's down_proj) gave ~10% of rows other bits: an unpadded rule with a floor (`RowRule(None, 2)`: a
+  decode step alone runs as 2 rows, every other batch on its own rows). On the Xeon (AMX) bf16 rows change
+  with M up to 36, so there bf16 is padded too and `auto` picks fp32.
 
 Attention, the one op that mixes rows, is in tether/model/tiles.py.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -38,13 +40,31 @@ from tether.mathutil import ceil_div
 _THREADS_LOCK = threading.Lock()
 
 
-def padded_rows(rows: int, threads: int | None = None, pad: bool = True, floor: int = 1) -> int:
-    """Row count that keeps every GEMM and elementwise op on one numeric path: a multiple of 4 * threads; or,
-    where the kernels are invariant unpadded (`pad` False: tether/model/numerics.py), `rows` itself but at
-    least `floor` (bf16 on smollm2: 2, as a 1-row product has other bits)."""
-    if not pad:
-        return max(rows, floor)
-    unit = 4 * (threads or torch.get_num_threads())
+@dataclass(frozen=True)
+class RowRule:
+    """The rows a micro-batch runs on so that every kernel gives each row the same bits (found per machine,
+    tether/model/numerics.py). `unit`: rows per thread, padded to a multiple of unit * threads; None: unpadded,
+    at least `floor` rows. `threads`: the most threads a forward may use (None: any)."""
+
+    unit: int | None = 4
+    floor: int = 1
+    threads: int | None = None
+
+    @property
+    def padded(self) -> bool:
+        return self.unit is not None
+
+    def __str__(self) -> str:
+        rows = f"padded to {self.unit} rows per thread" if self.unit else f"unpadded, at least {self.floor} rows"
+        return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
+
+
+def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:
+    """Row count that keeps every GEMM and elementwise op on one numeric path by `rule`: a multiple of
+    unit * threads (at least one), or, unpadded, `rows` itself but at least the rule's floor."""
+    if rule.unit is None:
+        return max(rows, rule.floor)
+    unit = rule.unit * (threads or torch.get_num_threads())
     return max(unit, ceil_div(rows, unit) * unit)
 
 
@@ -54,18 +74,22 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
-def threads_for(rows: int, threads: int | None = None) -> int:
-    """Threads worth using for `rows`: at most one per 4-row unit (every choice gives the same bits)."""
-    return max(1, min(threads or torch.get_num_threads(), ceil_div(rows, 4)))
+def threads_for(rows: int, rule: RowRule, threads: int | None = None) -> int:
+    """Threads worth using for `rows`: at most one per unit of rows (4 where unpadded) and at most the rule's
+    cap (every choice gives the same bits)."""
+    most = threads or torch.get_num_threads()
+    if rule.threads is not None:
+        most = min(most, rule.threads)
+    return max(1, min(most, ceil_div(rows, rule.unit or 4)))
 
 
 @contextmanager
-def invariant_threads(rows: int) -> Iterator[int]:
-    """Run an invariant forward of `rows` rows on `threads_for(rows)` threads, then restore the count. One
-    invariant forward at a time per process, since the count is process-wide."""
+def invariant_threads(rows: int, rule: RowRule) -> Iterator[int]:
+    """Run an invariant forward of `rows` rows on `threads_for(rows, rule)` threads, then restore the count.
+    One invariant forward at a time per process, since the count is process-wide."""
     with _THREADS_LOCK:
         before = torch.get_num_threads()
-        use = threads_for(rows, before)
+        use = threads_for(rows, rule, before)
         if use == before:
             yield use
             return

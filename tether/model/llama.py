@@ -20,8 +20,8 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import invariant_threads, pad_rows, padded_rows
-from tether.model.numerics import unpadded_floor
+from tether.model.invariant import RowRule, invariant_threads, pad_rows, padded_rows
+from tether.model.numerics import row_rule
 from tether.model.tiles import AttentionPlan, Scratch
 
 
@@ -140,12 +140,10 @@ class ModelSlice(nn.Module):
         self.has_embedding = layer_start == 0
         self.has_head = layer_end == cfg.num_hidden_layers
         self.dtype = dtype
-        # Pad rows (tether/model/invariant.py) unless the start-up probe found this dtype's kernels invariant
-        # unpadded here (bf16 with native bf16); then run a micro-batch on its own rows, but at least the
-        # probe's floor (smollm2 bf16: 2 rows, since a 1-row down_proj has other bits for ~10% of rows).
-        floor = unpadded_floor(cfg, dtype)
-        self.pad = floor is None
-        self.min_rows = floor or 1
+        # The rows a micro-batch runs on, as the start-up probe found for this dtype here (tether/model/
+        # invariant.py): padded to a multiple of the machine's unit per thread, or, where the kernels are
+        # invariant unpadded (bf16 on the EPYC), its own rows but at least a floor (smollm2 bf16 there: 2).
+        self.rows: RowRule = row_rule(cfg, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layer_end - layer_start))
         if self.has_head:
@@ -192,15 +190,15 @@ class ModelSlice(nn.Module):
         """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
 
         Each slot's KV must come from `new_kv` (or the stage's arena) and already have room (`kv.ensure`); on
-        success the caller advances `kv.length`. Rows are padded (tether/model/invariant.py) and the padding
-        dropped; where `pad` is off (the dtype's kernels are invariant unpadded) only up to `min_rows`. A small
-        batch runs on fewer threads (`invariant_threads`, the same bits).
+        success the caller advances `kv.length`. Rows are padded by the slice's RowRule (tether/model/
+        invariant.py) and the padding dropped. A small batch runs on fewer threads (`invariant_threads`, the
+        same bits).
         """
         rows = inputs.shape[0]
-        with invariant_threads(rows):
-            padded = padded_rows(rows, pad=self.pad, floor=self.min_rows)
+        with invariant_threads(rows, self.rows):
+            padded = padded_rows(rows, self.rows)
             plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
-                                       self.scratch, self.pad)   # built once per step, shared by every layer
+                                       self.scratch, self.rows)   # built once per step, shared by every layer
             return self.run_layers(inputs, slots, padded, plan)
 
     def run_layers(self, inputs: torch.Tensor, slots: list[SlotRows], padded: int, plan: Attend) -> torch.Tensor:
@@ -220,5 +218,5 @@ class ModelSlice(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over some rows (the last stage only); float32 logits."""
         rows = hidden.shape[0]
-        with invariant_threads(rows):
-            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, pad=self.pad, floor=self.min_rows))))[:rows].float()
+        with invariant_threads(rows, self.rows):
+            return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, self.rows))))[:rows].float()

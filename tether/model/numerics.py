@@ -1,13 +1,17 @@
 """Which numerics this machine serves a model in: `--dtype auto` resolved, once per process.
 
 bfloat16 where the CPU computes it natively and a start-up probe on the model's own shapes finds every op
-class row-count- and thread-invariant without padding, from some small floor of rows on; float32 with the
-padding of tether/model/invariant.py otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13,
-oneDNN): bf16 `F.linear` gives the same row bits for every row count >= 2 and thread count, where fp32 MKL
-changes them at M = 2, 4, ...; but a 1-row product over K = 1536 (smollm2's down_proj) differs on ~10% of rows,
-so smollm2 in bf16 runs a micro-batch on at least 2 rows (`probe` returns that floor; ModelSlice.min_rows).
-On a CPU without native bf16 dot products bf16 was 4-14x slower than fp32. Machines differ, so the machine decides:
-`choose_dtype` is the pure rule, `cpu_flags` and `probe` its inputs, `resolve` the cached whole.
+class row-count- and thread-invariant without padding, from some small floor of rows on; float32 padded
+otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
+row bits for every row count >= 2 and thread count, where fp32 MKL changes them at M = 2, 4, ...; but a 1-row
+product over K = 1536 (smollm2's down_proj) differs on ~10% of rows, so smollm2 in bf16 runs a micro-batch on
+at least 2 rows (`probe` returns that floor). On a CPU without native bf16 dot products bf16 was 4-14x slower
+than fp32. Machines differ, so the machine decides: `choose_dtype` is the pure rule, `cpu_flags` and `probe`
+its inputs, `resolve` the cached whole.
+
+How a padded dtype pads differs between machines too (4 rows per thread on the EPYC, 16 on an Intel Xeon whose
+2-thread MKL products change bits for some row counts): `padded_probe` finds the unit and the thread cap, and
+`row_rule` is what a ModelSlice runs by (tether/model/invariant.py's RowRule).
 
 Every process that must agree makes the same choice the same way (the stages, `tether.reference`); the
 stage handshake refuses a pipeline whose stages chose differently (services/stage_worker/server.py).
@@ -24,9 +28,10 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
+from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import threads_for
+from tether.model.invariant import RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +45,21 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 8, 17, 48)
 # bf16 oneDNN gives a 1-row product over K = 1536 (smollm2's down_proj) other bits than every M >= 2 for ~10%
 # of rows, so a decode step alone runs as 2 rows. A floor above this means the dtype pads like fp32.
 MAX_FLOOR = 4
+# Unpadded, the linears (the LM head aside: it only ever sees a step's sampled rows) are also checked on one
+# long batch (a long prefill's micro-batch) against windows of LONG_WINDOWS rows: the 48 rows above missed
+# that on an Intel Xeon with AMX, bf16 products of 262 rows give other bits than of 50.
+UNPADDED_LONG = 512
+LONG_WINDOWS = (17, 48, 100, 256)
+# Rows per thread a padded rule may pad to, tried smallest first (each costs that many rows at batch 1).
+UNITS = (4, 8, 16, 32, 64)
+# A padded rule is checked on windows of k units (k in PADDED_SPANS) against the rows of a batch of
+# PADDED_WHOLE units computed on 1 thread; the LM head, whose products are the largest and which only ever sees
+# a step's sampled rows, on the first HEAD_SPANS and the first 2 windows of each; the other linears also on
+# one batch of PADDED_LONG units (a long prompt's prefill) against windows of PADDED_WHOLE.
+PADDED_SPANS = (1, 2, 3, 4, 5, 8)
+PADDED_WHOLE = 8
+HEAD_SPANS = (1, 2, 3)
+PADDED_LONG = 32
 
 def name_of(dtype: torch.dtype) -> str:
     """The --dtype (and handshake) name of a torch dtype."""
@@ -79,7 +99,7 @@ def _failing_rows(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t
     for t in threads:
         torch.set_num_threads(t)
         for m in PROBE_ROWS:
-            if m > rows or m in failing or (dim == 0 and threads_for(m, t) < t):
+            if m > rows or m in failing or (dim == 0 and threads_for(m, RowRule(None), t) < t):
                 continue
             starts = range(0, rows - m + 1, m)[:windows]
             if not all(torch.equal(op(x.narrow(dim, s, m)), whole.narrow(dim, s, m)) for s in starts):
@@ -169,11 +189,118 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
                 failing |= _failing_rows(op, x, threads)
                 if floor_of(failing) is None:
                     return None
+            for i, o in sorted(linears):
+                if o == cfg.vocab_size:
+                    continue
+                op, x = linear(rand(o, i)), rand(UNPADDED_LONG, i)
+                torch.set_num_threads(1)
+                whole = op(x)
+                for t in threads:
+                    torch.set_num_threads(t)
+                    if _window_differs(op, x, whole, LONG_WINDOWS):
+                        return None
             torch.set_num_threads(1)
             # tile heights are never floored (tiles.py pads them only where the micro-batch pads)
             return None if _attention_failing(cfg, dtype, threads, block) else floor_of(failing)
     finally:
         torch.set_num_threads(before)
+
+
+def _window_differs(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, whole: torch.Tensor,
+                    sizes: Iterable[int], dim: int = 0, windows: int | None = None) -> bool:
+    """Whether some window of m rows of `x` (m in `sizes`, along `dim`; every window or the first `windows`)
+    gives other bits than the same rows of `whole` (op over all of x, computed beforehand)."""
+    rows = x.shape[dim]
+    for m in sizes:
+        for s in range(0, rows - m + 1, m)[:windows]:
+            if not torch.equal(op(x.narrow(dim, s, m)), whole.narrow(dim, s, m)):
+                return True
+    return False
+
+
+def _padded_checks(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -> bool:
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            return _padded_holds(cfg, dtype, unit, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -> bool:
+    """Whether every op class of the forward, with rows padded to multiples of unit * threads and run on
+    `threads` threads, gives the rows the bits of one batch computed on 1 thread: each linear (the LM head on
+    fewer, smaller windows), RMSNorm, RoPE, SiLU-and-mul, and the attention tiles' batched matmuls over tile
+    heights that are multiples of the unit (tether/model/tiles.py)."""
+    from tether.model.llama import RMSNorm, rotate_half   # the serving code's own ops (llama imports us)
+
+    g = torch.Generator().manual_seed(unit * 100 + threads)
+    step, h, d = unit * threads, cfg.hidden_size, cfg.head_dim
+    heads, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+
+    def differs(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, spans: Iterable[int],
+                dim: int = 0, windows: int | None = None) -> bool:
+        torch.set_num_threads(1)
+        whole = op(x)
+        torch.set_num_threads(threads)
+        return _window_differs(op, x, whole, [k * step for k in spans], dim, windows)
+
+    rows = PADDED_WHOLE * step
+    for i, o in sorted({(h, heads * d), (h, kvh * d), (heads * d, h), (h, cfg.intermediate_size),
+                        (cfg.intermediate_size, h)}):
+        w = rand(o, i)
+        def linear(x: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+            return F.linear(x, w)
+        if differs(linear, rand(rows, i), PADDED_SPANS) or differs(linear, rand(PADDED_LONG * step, i), [PADDED_WHOLE]):
+            return False
+    head = rand(cfg.vocab_size, h)
+    if differs(lambda x: F.linear(x, head), rand(max(HEAD_SPANS) * step, h), HEAD_SPANS, windows=2):
+        return False
+    norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:   # the tables ride along as extra columns, as in `probe`
+        x, c, s = x[:, :heads], x[:, heads:heads + 1], x[:, heads + 1:]
+        return x * c + rotate_half(x) * s
+
+    if (differs(norm, rand(rows, h) * 20, PADDED_SPANS)
+            or differs(rope, rand(rows, heads + 2, d), PADDED_SPANS)
+            or differs(lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20, PADDED_SPANS)):
+        return False
+    # attention: tile rows along dim 2, up to the tallest tile (a block of positions of every grouped head)
+    block, pairs = settings.ATTENTION_BLOCK, 5
+    height = max(step, -(-heads // kvh * block // step) * step)
+    q = rand(pairs, kvh, height, d) * 20
+    keys, values = rand(pairs, kvh, block, d) * 20, rand(pairs, kvh, block, d) * 20
+
+    def piece(qq: torch.Tensor, at: int = 0) -> torch.Tensor:
+        kk, vv = keys[at:at + qq.shape[0]], values[at:at + qq.shape[0]]
+        s = torch.matmul(qq * d ** -0.5, kk.mT)
+        p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
+        return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
+
+    spans = [k for k in range(1, height // step + 1)]
+    if differs(piece, q, spans, dim=2, windows=2):
+        return False
+    torch.set_num_threads(1)
+    whole = piece(q)
+    torch.set_num_threads(threads)
+    return all(torch.equal(piece(q[n:n + 1], n), whole[n:n + 1]) for n in range(pairs))
+
+
+def padded_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
+    """The padded rule for this model here: the smallest of UNITS whose padded row counts give every op class
+    the same row bits on 1 thread, then the most threads up to torch's count on which they still give the
+    1-thread bits (a cap of 1: the forward keeps to 1 thread). None where no unit is invariant."""
+    unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1)), None)
+    if unit is None:
+        return None
+    most, threads = 1, torch.get_num_threads()
+    while most < threads and _padded_checks(cfg, dtype, unit, most + 1):
+        most += 1
+    return RowRule(unit, threads=None if most == threads else most)
 
 
 _LOCK = threading.Lock()
@@ -193,6 +320,44 @@ def _code_digest() -> str:
 @functools.lru_cache(maxsize=16)
 def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> int | None:
     return probe_cache.cached(probe_cache.key(_code_digest(), cfg, dtype, threads), lambda: probe(cfg, dtype))
+
+
+def _is_rule(value: object) -> bool:
+    """A padded probe's answer on disk: [unit, thread cap or None], or None (no invariant unit)."""
+    return value is None or (isinstance(value, list) and len(value) == 2 and type(value[0]) is int
+                             and value[0] in UNITS and (value[1] is None or (type(value[1]) is int and value[1] >= 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _padded_probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None:
+    def compute() -> list[int | None] | None:
+        rule = padded_probe(cfg, dtype)
+        return None if rule is None else [rule.unit, rule.threads]
+    answer = probe_cache.cached(probe_cache.key(_code_digest() + ":padded", cfg, dtype, threads), compute,
+                                valid=_is_rule)
+    return None if answer is None else RowRule(answer[0], threads=answer[1])
+
+
+def servable_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
+    """The rows `dtype`'s kernels run a micro-batch of this model on here: unpadded from `unpadded_floor` where
+    that probe passed, else padded by `padded_probe` (both cached per process and on disk per machine); None
+    where neither finds invariant kernels (the dtype cannot give exact answers here)."""
+    floor = unpadded_floor(cfg, dtype)
+    if floor is not None:
+        return RowRule(None, floor)
+    with _LOCK:
+        return _padded_probed(cfg, dtype, torch.get_num_threads())
+
+
+def row_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule:
+    """`servable_rule`, or a clear error where the dtype has no invariant kernels here."""
+    rule = servable_rule(cfg, dtype)
+    if rule is None:
+        raise ValueError(f"{name_of(dtype)} has no batch-invariant kernels on this CPU (torch {torch.__version__}): "
+                         f"a row's bits change with the row count however its rows are padded (to a multiple of "
+                         f"any of {', '.join(map(str, UNITS))} per thread), so it cannot give exact answers here; "
+                         f"use --dtype auto or float32")
+    return rule
 
 
 def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:

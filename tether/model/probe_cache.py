@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from typing import Any
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,15 +47,22 @@ def enabled() -> bool:
     return os.environ.get(settings.PROBE_CACHE_ENV, "1") != "0"
 
 
-def cached(k: str, compute: Callable[[], int | None], folder: Path | None = None) -> int | None:
-    """The answer stored under `k`, or `compute()`'s, stored (atomically) for the next process."""
+def is_floor(value: object) -> bool:
+    """The unpadded probe's answer: a floor of rows (>= 1), or None."""
+    return value is None or (type(value) is int and value >= 1)
+
+
+def cached(k: str, compute: Callable[[], Any], folder: Path | None = None,
+           valid: Callable[[object], bool] = is_floor) -> Any:
+    """The answer stored under `k` (a JSON value that `valid` accepts), or `compute()`'s, stored (atomically)
+    for the next process."""
     if not enabled():
         return compute()
     folder = folder or tether_home() / "probes"
     path = folder / f"{k}.json"
     try:
-        value = json.loads(path.read_text())["floor"]
-        if value is None or (type(value) is int and value >= 1):
+        value = json.loads(path.read_text())["answer"]
+        if valid(value):
             return value
     except (OSError, ValueError, KeyError, TypeError):
         pass   # missing or unreadable: probe again
@@ -63,7 +71,7 @@ def cached(k: str, compute: Callable[[], int | None], folder: Path | None = None
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-")
         with os.fdopen(fd, "w") as f:
-            json.dump({"floor": value}, f)
+            json.dump({"answer": value}, f)
         os.replace(tmp, path)
     except OSError:
         pass   # a read-only home: the answer is still right, only not kept

@@ -19,7 +19,7 @@ import torch
 
 from tether.kv.paged import BlockArena, PagedKV, long_tensor
 from tether.mathutil import ceil_div
-from tether.model.invariant import padded_rows
+from tether.model.invariant import RowRule, padded_rows
 
 # Masked scores: below any real score, so a masked key never wins a row max; finite, so a row or block with
 # nothing visible stays NaN-free. Masked keys are zeroed after exp.
@@ -109,9 +109,10 @@ class TileBatch:
     hidden: torch.Tensor       # [pairs, 1, height, block]: the key is past the query (padding rows see all)
 
     @classmethod
-    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena, pad: bool = True) -> "TileBatch":
+    def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena, rule: RowRule) -> "TileBatch":
         block, count = arena.block, tiles[0].count
-        height = padded_rows(heads // kv_heads * count, pad=pad)
+        # tile heights pad like the micro-batch, but an unpadded rule's floor is for GEMM rows, not tiles
+        height = padded_rows(heads // kv_heads * count, rule if rule.padded else RowRule(None))
         offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
         pair_tile, blocks, tags = [], [], []
         starts: list[int] = []
@@ -147,9 +148,9 @@ class AttentionPlan:
 
     @classmethod
     def build(cls, slots, padded: int, heads: int, kv_heads: int, scratch: Scratch,
-              pad: bool = True) -> "AttentionPlan":
-        """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`); `pad`: pad tile heights
-        (`padded_rows`), as the micro-batch's rows are."""
+              rule: RowRule) -> "AttentionPlan":
+        """`slots`: SlotRows with PagedKV whose blocks cover their rows (`ensure`); `rule`: how tile heights
+        pad (`padded_rows`), as the micro-batch's rows do."""
         arena = slots[0].kv.arena
         head_dim = arena.head_dim
         block = arena.block
@@ -168,15 +169,16 @@ class AttentionPlan:
         for count, tiles in by_count.items():
             # split so that one batch's scores and gathered keys stay within BATCH_ELEMENTS each (a batch
             # holds at least one tile)
-            unit = kv_heads * max(padded_rows(heads // kv_heads * count, pad=pad), head_dim) * block
+            height = padded_rows(heads // kv_heads * count, rule if rule.padded else RowRule(None))
+            unit = kv_heads * max(height, head_dim) * block
             start = size = 0
             for n, t in enumerate(tiles):
                 pairs = ceil_div(t.position + count, block)
                 if n > start and size + pairs * unit > BATCH_ELEMENTS:
-                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena, pad))
+                    batches.append(TileBatch.build(tiles[start:n], heads, kv_heads, arena, rule))
                     start, size = n, 0
                 size += pairs * unit
-            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena, pad))
+            batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena, rule))
         layout = tuple((b.count, b.height, b.rows) for b in batches)
         out_index, outputs = output_rows(padded, heads, kv_heads, block, layout)
         return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)

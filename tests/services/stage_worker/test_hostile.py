@@ -21,6 +21,7 @@ import torch
 from tether import settings
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import stage_pb2
+from tests.helpers import second_dtype
 
 RejectReason = stage_pb2.RejectReason
 REPO = Path(__file__).resolve().parents[3]
@@ -353,21 +354,22 @@ def test_a_downstream_idle_close_is_not_a_failure(start_stage, kit):
 def test_a_route_that_mixes_numerics_is_refused(start_stage):
     """A coordinator with --dtype auto sends no dtype: the stages themselves refuse a route that mixes them
     (each passes its own dtype downstream)."""
+    other = second_dtype()
     first = start_stage("--layers", "0:2", "--dtype", "float32")
-    last = start_stage("--layers", "2:4", "--dtype", "bfloat16")
+    last = start_stage("--layers", "2:4", "--dtype", other)
     req = stage_pb2.HandshakeRequest(
         protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=model_fingerprint(resolve_model("tiny")),
         route=[stage_pb2.RouteEntry(address=s.address) for s in (first, last)], index=0, prev_layer_end=0,
         pipeline_epoch=5, dtype="", stamp_key=bytes(32))
     reply = first.stub.Handshake(req, timeout=15)
     assert not reply.ok
-    assert "stage 1" in reply.error and "runs bfloat16" in reply.error and "float32" in reply.error
+    assert "stage 1" in reply.error and f"runs {other}" in reply.error and "float32" in reply.error
     assert "never mixes numerics" in reply.error
     # a stage whose upstream runs what it runs takes the handshake
     assert last.stub.Handshake(stage_pb2.HandshakeRequest(
         protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=req.model_fingerprint,
         route=[stage_pb2.RouteEntry(address="127.0.0.1:1"), stage_pb2.RouteEntry(address=last.address)], index=1,
-        prev_layer_end=2, pipeline_epoch=5, dtype="bfloat16", stamp_key=bytes(32)), timeout=15).ok
+        prev_layer_end=2, pipeline_epoch=5, dtype=other, stamp_key=bytes(32)), timeout=15).ok
 
 
 def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_stage, kit):

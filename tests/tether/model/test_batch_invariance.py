@@ -9,7 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tether.model.config import even_split
-from tether.model.invariant import padded_rows
+from tether.model import numerics
+from tether.model.config import ModelConfig
+from tether.model.invariant import RowRule, padded_rows
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 from tests.helpers import run_chunks
@@ -39,14 +41,12 @@ def splits(folder, full, dtype):
 
 
 def test_auto_runs_unpadded_bfloat16_exactly_where_the_probe_passed(folder):
-    from tether.model import numerics
-
     m = load_slice(folder, dtype="auto")
     native = not numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags())
     assert (m.dtype == torch.bfloat16) == (native and numerics.unpadded_invariant(m.cfg, torch.bfloat16))
     floor = numerics.unpadded_floor(m.cfg, m.dtype)
-    assert m.pad == (floor is None) and m.min_rows == (floor or 1)
-    assert not m.pad or m.dtype == torch.float32 or not native
+    assert m.rows == (numerics.row_rule(m.cfg, m.dtype) if floor is None else RowRule(None, floor))
+    assert m.rows.padded == (m.dtype == torch.float32)   # auto never picks a padded bf16
 
 
 def chunking(draw, n: int) -> list[int]:
@@ -123,7 +123,7 @@ def test_neighbours_and_threads_do_not_change_a_bit(full, case, threads):
 
 @pytest.mark.parametrize("rows,inner,cols", [(4, 32, 64), (8, 64, 64), (128, 32, 64), (8, 64, 32), (128, 64, 64)])
 def test_each_matrix_of_a_bmm_is_the_same_gemm_alone(threads, rows, inner, cols):
-    rows = padded_rows(rows)
+    rows = padded_rows(rows, numerics.row_rule(ModelConfig.from_folder(resolve_model("tiny")), torch.float32))
     g = torch.Generator().manual_seed(rows * inner + cols)
     a, b = torch.randn(70, rows, inner, generator=g), torch.randn(70, inner, cols, generator=g)
     together = torch.matmul(a, b)

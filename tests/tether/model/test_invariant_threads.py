@@ -1,6 +1,7 @@
-"""A small micro-batch runs on fewer threads (`invariant_threads`): 1-4 rows on 1 thread padded to 4, instead of
-T threads padded to 4*T. These tests pin the claim it rests on, bitwise, for every row count 1..70 at 1 and 2
-threads: a row's result is the same whichever thread count and padding the rule picks."""
+"""A small micro-batch runs on fewer threads (`invariant_threads`): with unit u, 1..u rows on 1 thread padded to
+u, instead of T threads padded to u*T. These tests pin the claim it rests on, bitwise, for every row count
+1..70 at 1 and 2 threads and every linear shape of the presets tiny and small and of SmolLM2-135M: a row's
+result is the same whichever thread count and padding this machine's rule (tether/model/numerics.py) picks."""
 
 from __future__ import annotations
 
@@ -8,58 +9,74 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tether.model.invariant import invariant_threads, pad_rows, padded_rows, threads_for
+from tether.model import numerics
+from tether.model.config import ModelConfig
+from tether.model.invariant import RowRule, invariant_threads, pad_rows, padded_rows, threads_for
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 
 ROWS = range(1, 71)
 # (in, out) of every linear layer of the presets tiny and small and of SmolLM2-135M (its head excepted)
-SHAPES = [(256, 256), (256, 128), (256, 688), (688, 256), (256, 272),
-          (512, 512), (512, 256), (512, 1376), (1376, 512), (512, 272),
-          (576, 576), (576, 192), (576, 1536), (1536, 576)]
+SHAPES = {"tiny": [(256, 256), (256, 128), (256, 688), (688, 256), (256, 272)],
+          "small": [(512, 512), (512, 256), (512, 1376), (1376, 512), (512, 272)],
+          "smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)]}
 
 
-def test_threads_for_uses_no_more_threads_than_4_row_units():
-    assert [threads_for(r, 2) for r in (0, 1, 4, 5, 8, 9, 70)] == [1, 1, 1, 2, 2, 2, 2]
-    assert [threads_for(r, 4) for r in (1, 5, 9, 12, 13, 64)] == [1, 2, 3, 3, 4, 4]
-    assert threads_for(70, 1) == 1
+def test_threads_for_uses_no_more_threads_than_units_of_rows_nor_than_the_cap():
+    four, sixteen = RowRule(4), RowRule(16)
+    assert [threads_for(r, four, 2) for r in (0, 1, 4, 5, 8, 9, 70)] == [1, 1, 1, 2, 2, 2, 2]
+    assert [threads_for(r, four, 4) for r in (1, 5, 9, 12, 13, 64)] == [1, 2, 3, 3, 4, 4]
+    assert [threads_for(r, sixteen, 2) for r in (1, 16, 17, 70)] == [1, 1, 2, 2]
+    assert [threads_for(r, RowRule(16, threads=1), 2) for r in (1, 17, 70)] == [1, 1, 1]
+    assert threads_for(70, four, 1) == 1
+    assert [padded_rows(r, sixteen, 2) for r in (1, 32, 33)] == [32, 32, 64]
+    assert [padded_rows(r, RowRule(None, 2)) for r in (1, 2, 33)] == [2, 2, 33]
 
 
 def test_invariant_threads_lowers_the_count_inside_and_restores_it(threads):
-    with invariant_threads(1) as used:
+    rule = RowRule(4)
+    with invariant_threads(1, rule) as used:
         assert used == torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
     with pytest.raises(RuntimeError):
-        with invariant_threads(3):
+        with invariant_threads(3, rule):
             raise RuntimeError("a failed step")
     assert torch.get_num_threads() == threads
-    with invariant_threads(70) as used:
+    with invariant_threads(70, rule) as used:
         assert used == torch.get_num_threads() == threads
+    with invariant_threads(70, RowRule(4, threads=1)) as used:
+        assert used == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
 
 
-def _linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _rule(model: str) -> RowRule:
+    return numerics.row_rule(ModelConfig.from_folder(resolve_model(model)), torch.float32)
+
+
+def _linear_rows(x: torch.Tensor, w: torch.Tensor, rule: RowRule) -> torch.Tensor:
     """x's rows through F.linear the way an invariant forward runs them: threads and padding by the rule."""
     rows = x.shape[0]
-    with invariant_threads(rows):
-        return F.linear(pad_rows(x, padded_rows(rows)), w)[:rows]
+    with invariant_threads(rows, rule):
+        return F.linear(pad_rows(x, padded_rows(rows, rule)), w)[:rows]
 
 
-@pytest.mark.parametrize("inner,outer", SHAPES)
-def test_a_linear_row_has_the_same_bits_at_every_row_count(threads, inner, outer):
+@pytest.mark.parametrize("model,inner,outer", [(m, i, o) for m, shapes in SHAPES.items() for i, o in shapes])
+def test_a_linear_row_has_the_same_bits_at_every_row_count(threads, model, inner, outer):
+    rule = _rule(model)
     g = torch.Generator().manual_seed(inner * outer)
     w = torch.randn(outer, inner, generator=g) / inner ** 0.5
     x = torch.randn(max(ROWS), inner, generator=g)
-    want = torch.cat([_alone(x[i:i + 1], w) for i in range(len(x))])
+    want = torch.cat([_alone(x[i:i + 1], w, rule) for i in range(len(x))])
     for rows in ROWS:
-        assert torch.equal(_linear_rows(x[:rows], w), want[:rows]), f"{rows} rows at {threads} threads"
+        assert torch.equal(_linear_rows(x[:rows], w, rule), want[:rows]), f"{rows} rows at {threads} threads ({rule})"
 
 
-def _alone(row: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One row alone on 1 thread (padded to 4 rows): the bits every batch must reproduce."""
+def _alone(row: torch.Tensor, w: torch.Tensor, rule: RowRule) -> torch.Tensor:
+    """One row alone on 1 thread (padded to one unit): the bits every batch must reproduce."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return F.linear(pad_rows(row, 4), w)[:1]
+        return F.linear(pad_rows(row, padded_rows(1, rule, 1)), w)[:1]
     finally:
         torch.set_num_threads(before)
 

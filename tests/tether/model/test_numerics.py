@@ -98,3 +98,54 @@ def test_auto_is_probed_once_per_process(monkeypatch):
         assert calls == [cfg]
     finally:
         numerics._probed.cache_clear()   # later tests probe for real
+
+
+def test_the_padded_probe_takes_the_smallest_unit_that_holds_here_and_restores_threads():
+    """The unit is found, not assumed (4 on an AMD EPYC, 16 on an Intel Xeon): the rule holds on every op class,
+    and where it is above the smallest unit, that smaller unit really changes some row's bits here."""
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    before = torch.get_num_threads()
+    rule = numerics.padded_probe(cfg, torch.float32)
+    assert torch.get_num_threads() == before
+    assert rule is not None and rule.padded and rule.unit in numerics.UNITS
+    assert numerics._padded_checks(cfg, torch.float32, rule.unit, 1)
+    smaller = [u for u in numerics.UNITS if u < rule.unit]
+    assert not any(numerics._padded_checks(cfg, torch.float32, u, 1) for u in smaller)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("holds_on, threads, cap", [({1, 2, 3, 4}, 4, None), ({1, 2}, 4, 2), ({1}, 2, 1)])
+def test_the_padded_probe_caps_threads_where_more_change_bits(monkeypatch, holds_on, threads, cap):
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    monkeypatch.setattr(numerics, "_padded_checks", lambda c, dtype, unit, t: unit == 16 and t in holds_on)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert numerics.padded_probe(cfg, torch.float32) == numerics.RowRule(16, threads=cap)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_dtype_with_no_invariant_unit_is_refused_with_a_reason(monkeypatch):
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    monkeypatch.setattr(numerics, "_padded_checks", lambda *a: False)
+    monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")
+    numerics._padded_probed.cache_clear()
+    try:
+        assert numerics.padded_probe(cfg, torch.float16) is None
+        assert numerics.servable_rule(cfg, torch.float16) is None
+        with pytest.raises(ValueError, match="float16 has no batch-invariant kernels on this CPU.*--dtype auto"):
+            numerics.row_rule(cfg, torch.float16)
+    finally:
+        numerics._padded_probed.cache_clear()
+
+
+def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
+    x = torch.randn(64, 8)
+
+    def op(rows: torch.Tensor) -> torch.Tensor:   # 32-row calls give other bits
+        out = rows * 3
+        return torch.nextafter(out, out + 1) if rows.shape[0] == 32 else out
+
+    assert numerics._window_differs(op, x, op(x), [16, 32])
+    assert not numerics._window_differs(op, x, op(x), [16, 48])

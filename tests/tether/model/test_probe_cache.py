@@ -33,7 +33,7 @@ def test_an_answer_is_computed_once_then_read(tmp_path, value):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("text", ["", "{", '{"floor": 0}', '{"floor": "2"}', '{"other": 1}', "[1]"])
+@pytest.mark.parametrize("text", ["", "{", '{"answer": 0}', '{"answer": "2"}', '{"floor": 2}', '{"other": 1}', "[1]"])
 def test_a_broken_file_is_probed_again_and_rewritten(tmp_path, text):
     (tmp_path / "k.json").write_text(text)
     compute, calls = counting(2)
