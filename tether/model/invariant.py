@@ -49,14 +49,39 @@ class RowRule:
     unit: int | None = 4
     floor: int = 1
     threads: int | None = None
+    # The linears' kernel (LINEAR_KERNELS), and, where the micro-batch runs unpadded on a kernel that is
+    # invariant so but the tiles' batched matmuls are not, the unit their heights pad to (None: as the batch).
+    linear: str = "mkl"
+    tile_unit: int | None = None
 
     @property
     def padded(self) -> bool:
         return self.unit is not None
 
+    def tiles(self) -> RowRule:
+        """How attention tile heights pad (an unpadded rule's floor is for GEMM rows, not tiles)."""
+        if self.tile_unit is not None:
+            return RowRule(self.tile_unit, threads=self.threads)
+        return self if self.padded else RowRule(None, threads=self.threads)
+
     def __str__(self) -> str:
         rows = f"padded to {self.unit} rows per thread" if self.unit else f"unpadded, at least {self.floor} rows"
+        if self.linear != "mkl":
+            rows += f", {self.linear} linears"
+        if self.tile_unit is not None:
+            rows += f", tiles padded to {self.tile_unit} rows per thread"
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias through oneDNN's matmul rather than MKL's sgemm (what F.linear takes for fp32): on
+    an Intel Xeon its fp32 rows have the same bits for every row count >= 2 and thread count, where MKL's
+    change below 16 rows (tether/model/numerics.py probes it before a slice uses it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# The linears' kernels a RowRule may name
+LINEAR_KERNELS = {"mkl": torch.nn.functional.linear, "onednn": onednn_linear}
 
 
 def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:

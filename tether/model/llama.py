@@ -20,7 +20,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import RowRule, invariant_threads, pad_rows, padded_rows
+from tether.model.invariant import LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.tiles import AttentionPlan, Scratch
 
@@ -40,6 +40,15 @@ class Attend(Protocol):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """Store the rows' keys and values, attend each slot's queries to its own keys: [rows, heads * d]."""
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product runs on the kernel its slice's RowRule names (`kernel`: LINEAR_KERNELS)."""
+
+    kernel = "mkl"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return LINEAR_KERNELS[self.kernel](x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -83,10 +92,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 plan: Attend) -> torch.Tensor:
@@ -102,9 +111,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -148,12 +157,19 @@ class ModelSlice(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layer_end - layer_start))
         if self.has_head:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.arena: BlockArena | None = None   # paged KV of every request on this slice (made on first use)
         self.scratch = Scratch()                # attention's buffers, reused step to step (one step at a time)
         self.to(dtype)
         self.requires_grad_(False)
+        self.use_linear_kernel(self.rows.linear)
+
+    def use_linear_kernel(self, kernel: str) -> None:
+        """Run every linear on `kernel` (the rule's; the plain baseline sets torch's own, "mkl")."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.kernel = kernel
 
     @property
     def num_layers(self) -> int:

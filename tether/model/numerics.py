@@ -31,7 +31,7 @@ import xxhash
 from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import RowRule, threads_for
+from tether.model.invariant import RowRule, onednn_linear, padded_rows, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,11 +145,13 @@ def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int,
     return failing
 
 
-def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
+def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
+          kernel: Callable[..., torch.Tensor] = F.linear, attention: bool = True) -> int | None:
     """Every op class of the model's forward, on its own shapes and random values, unpadded: each linear
     (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces, on 1 or all
     threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
-    do; None where the dtype must be padded like fp32."""
+    do; None where the dtype must be padded like fp32. `kernel`: the linears' (F.linear, or
+    invariant.onednn_linear); without `attention` the tiles are not checked (the caller pads them).""" 
     from tether.model.llama import RMSNorm, rotate_half   # the serving code's own ops (llama imports us)
 
     before = torch.get_num_threads()
@@ -166,7 +168,7 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
     norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
     cos, sin = rand(rows, 1, d), rand(rows, 1, d)
     def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda x: F.linear(x, w)
+        return lambda x: kernel(x, w)
 
     # RoPE's tables ride along as extra columns, so that a window of rows gets its own rows' tables
     def rope(x: torch.Tensor) -> torch.Tensor:
@@ -200,6 +202,8 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64) -> int | None:
                     if _window_differs(op, x, whole, LONG_WINDOWS):
                         return None
             torch.set_num_threads(1)
+            if not attention:   # the caller pads tile heights and checks them (`_tiles_hold`)
+                return floor_of(failing)
             # tile heights are never floored (tiles.py pads them only where the micro-batch pads)
             return None if _attention_failing(cfg, dtype, threads, block) else floor_of(failing)
     finally:
@@ -218,11 +222,13 @@ def _window_differs(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     return False
 
 
-def _padded_checks(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -> bool:
+def _padded_checks(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int,
+                   check: Callable[[ModelConfig, torch.dtype, int, int], bool] | None = None) -> bool:
+    """`check` (every op class padded, `_padded_holds`, by default) with torch's thread count restored."""
     before = torch.get_num_threads()
     try:
         with torch.inference_mode():
-            return _padded_holds(cfg, dtype, unit, threads)
+            return (check or _padded_holds)(cfg, dtype, unit, threads)
     finally:
         torch.set_num_threads(before)
 
@@ -269,7 +275,21 @@ def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int)
             or differs(rope, rand(rows, heads + 2, d), PADDED_SPANS)
             or differs(lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20, PADDED_SPANS)):
         return False
-    # attention: tile rows along dim 2, up to the tallest tile (a block of positions of every grouped head)
+    return _tiles_hold(cfg, dtype, unit, threads)
+
+
+def _tiles_hold(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -> bool:
+    """Whether the attention tiles' batched matmuls and softmax pieces, over tile heights that are multiples of
+    unit * threads, give each tile row the bits of the tallest tile computed on 1 thread, and each (tile,
+    block) pair alone the bits it has among others."""
+    g = torch.Generator().manual_seed(unit * 100 + threads + 1)
+    step, d = unit * threads, cfg.head_dim
+    heads, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+
+    # tile rows along dim 2, up to the tallest tile (a block of positions of every grouped head)
     block, pairs = settings.ATTENTION_BLOCK, 5
     height = max(step, -(-heads // kvh * block // step) * step)
     q = rand(pairs, kvh, height, d) * 20
@@ -281,12 +301,11 @@ def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int)
         p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
         return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
 
-    spans = [k for k in range(1, height // step + 1)]
-    if differs(piece, q, spans, dim=2, windows=2):
-        return False
     torch.set_num_threads(1)
     whole = piece(q)
     torch.set_num_threads(threads)
+    if _window_differs(piece, q, whole, [k * step for k in range(1, height // step + 1)], dim=2, windows=2):
+        return False
     return all(torch.equal(piece(q[n:n + 1], n), whole[n:n + 1]) for n in range(pairs))
 
 
@@ -301,6 +320,26 @@ def padded_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     while most < threads and _padded_checks(cfg, dtype, unit, most + 1):
         most += 1
     return RowRule(unit, threads=None if most == threads else most)
+
+
+def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
+    """fp32 linears through oneDNN (invariant.onednn_linear) unpadded from a floor, where `probe` finds every
+    op class but the tiles invariant so, with the tiles' heights padded by the smallest unit that holds for
+    them (MKL's batched matmuls), and the most threads on which those still give 1-thread bits. On an Intel
+    Xeon MKL's fp32 rows change below 16 rows, oneDNN's only at 1: a decode step alone runs as 2 rows, not 16.
+    None where oneDNN is absent or not invariant."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    floor = probe(cfg, dtype, kernel=onednn_linear, attention=False)
+    if floor is None:
+        return None
+    unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
+    if unit is None:
+        return None
+    most, threads = 1, torch.get_num_threads()
+    while most < threads and _padded_checks(cfg, dtype, unit, most + 1, _tiles_hold):
+        most += 1
+    return RowRule(None, floor, threads=None if most == threads else most, linear="onednn", tile_unit=unit)
 
 
 _LOCK = threading.Lock()
@@ -338,15 +377,37 @@ def _padded_probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRul
     return None if answer is None else RowRule(answer[0], threads=answer[1])
 
 
+def _is_onednn_rule(value: object) -> bool:
+    """An oneDNN probe's answer on disk: [floor, tile unit, thread cap or None], or None."""
+    return value is None or (isinstance(value, list) and len(value) == 3 and probe_cache.is_floor(value[0]) and value[0] is not None
+                             and type(value[1]) is int and value[1] in UNITS
+                             and (value[2] is None or (type(value[2]) is int and value[2] >= 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _onednn_probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None:
+    def compute() -> list[int | None] | None:
+        rule = onednn_probe(cfg, dtype)
+        return None if rule is None else [rule.floor, rule.tile_unit, rule.threads]
+    answer = probe_cache.cached(probe_cache.key(_code_digest() + ":onednn", cfg, dtype, threads), compute,
+                                valid=_is_onednn_rule)
+    return None if answer is None else RowRule(None, answer[0], answer[2], "onednn", answer[1])
+
+
 def servable_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
-    """The rows `dtype`'s kernels run a micro-batch of this model on here: unpadded from `unpadded_floor` where
-    that probe passed, else padded by `padded_probe` (both cached per process and on disk per machine); None
-    where neither finds invariant kernels (the dtype cannot give exact answers here)."""
+    """The rows `dtype`'s kernels run a micro-batch of this model on here (each probe cached per process and
+    on disk per machine): unpadded from `unpadded_floor` where that probe passed (bf16); else whichever of
+    `onednn_probe` (fp32) and `padded_probe` pads a 1-row step to fewer rows (MKL on a tie); None where no
+    kernels are invariant (the dtype cannot give exact answers here)."""
     floor = unpadded_floor(cfg, dtype)
     if floor is not None:
         return RowRule(None, floor)
     with _LOCK:
-        return _padded_probed(cfg, dtype, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        fast, padded = _onednn_probed(cfg, dtype, threads), _padded_probed(cfg, dtype, threads)
+    if fast is None or (padded is not None and padded_rows(1, padded, 1) <= fast.floor):
+        return padded
+    return fast
 
 
 def row_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule:

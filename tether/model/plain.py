@@ -100,6 +100,7 @@ class PlainSlice:
 
     def __init__(self, model: ModelSlice) -> None:
         self.model = model
+        model.use_linear_kernel("mkl")   # torch's own F.linear
         self.cfg = model.cfg
         self.num_layers = model.num_layers
         self.dtype = model.dtype

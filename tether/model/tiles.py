@@ -111,8 +111,7 @@ class TileBatch:
     @classmethod
     def build(cls, tiles: list[Tile], heads: int, kv_heads: int, arena: BlockArena, rule: RowRule) -> "TileBatch":
         block, count = arena.block, tiles[0].count
-        # tile heights pad like the micro-batch, but an unpadded rule's floor is for GEMM rows, not tiles
-        height = padded_rows(heads // kv_heads * count, rule if rule.padded else RowRule(None))
+        height = padded_rows(heads // kv_heads * count, rule.tiles())
         offset, i, real, keys = tile_layout(count, height, heads, kv_heads, block)
         pair_tile, blocks, tags = [], [], []
         starts: list[int] = []
@@ -169,7 +168,7 @@ class AttentionPlan:
         for count, tiles in by_count.items():
             # split so that one batch's scores and gathered keys stay within BATCH_ELEMENTS each (a batch
             # holds at least one tile)
-            height = padded_rows(heads // kv_heads * count, rule if rule.padded else RowRule(None))
+            height = padded_rows(heads // kv_heads * count, rule.tiles())
             unit = kv_heads * max(height, head_dim) * block
             start = size = 0
             for n, t in enumerate(tiles):

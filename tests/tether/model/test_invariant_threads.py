@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tether.model import numerics
 from tether.model.config import ModelConfig
-from tether.model.invariant import RowRule, invariant_threads, pad_rows, padded_rows, threads_for
+from tether.model.invariant import LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows, threads_for
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 
@@ -57,7 +56,7 @@ def _linear_rows(x: torch.Tensor, w: torch.Tensor, rule: RowRule) -> torch.Tenso
     """x's rows through F.linear the way an invariant forward runs them: threads and padding by the rule."""
     rows = x.shape[0]
     with invariant_threads(rows, rule):
-        return F.linear(pad_rows(x, padded_rows(rows, rule)), w)[:rows]
+        return LINEAR_KERNELS[rule.linear](pad_rows(x, padded_rows(rows, rule)), w)[:rows]
 
 
 @pytest.mark.parametrize("model,inner,outer", [(m, i, o) for m, shapes in SHAPES.items() for i, o in shapes])
@@ -76,7 +75,7 @@ def _alone(row: torch.Tensor, w: torch.Tensor, rule: RowRule) -> torch.Tensor:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return F.linear(pad_rows(row, padded_rows(1, rule, 1)), w)[:1]
+        return LINEAR_KERNELS[rule.linear](pad_rows(row, padded_rows(1, rule, 1)), w)[:1]
     finally:
         torch.set_num_threads(before)
 
