@@ -8,6 +8,7 @@ import torch
 from tether import settings
 from tether.model import numerics
 from tether.model.config import ModelConfig
+from tether.model.invariant import RowRule
 from tether.model.loader import resolve_model
 
 
@@ -121,7 +122,7 @@ def test_the_padded_probe_caps_threads_where_more_change_bits(monkeypatch, holds
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert numerics.padded_probe(cfg, torch.float32) == numerics.RowRule(16, threads=cap)
+        assert numerics.padded_probe(cfg, torch.float32) == RowRule(16, threads=cap)
     finally:
         torch.set_num_threads(before)
 
@@ -149,3 +150,40 @@ def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
 
     assert numerics._window_differs(op, x, op(x), [16, 32])
     assert not numerics._window_differs(op, x, op(x), [16, 48])
+
+
+@pytest.mark.parametrize("fast, padded, want", [
+    (RowRule(None, 2, linear="onednn", tile_unit=4), RowRule(16), "fast"),   # 2 rows < 16
+    (RowRule(None, 4, linear="onednn", tile_unit=4), RowRule(4), "padded"),  # a tie: MKL
+    (None, RowRule(16), "padded"),
+    (RowRule(None, 2, linear="onednn", tile_unit=4), None, "fast"),
+    (None, None, None),
+])
+def test_servable_rule_takes_the_kernels_that_pad_a_one_row_step_least(monkeypatch, fast, padded, want):
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    monkeypatch.setattr(numerics, "unpadded_floor", lambda c, dtype: None)
+    monkeypatch.setattr(numerics, "_onednn_probed", lambda c, dtype, t: fast)
+    monkeypatch.setattr(numerics, "_padded_probed", lambda c, dtype, t: padded)
+    assert numerics.servable_rule(cfg, torch.float32) == {"fast": fast, "padded": padded, None: None}[want]
+
+
+def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
+    """Where oneDNN's fp32 linears are invariant unpadded here (smollm2 on an Intel Xeon), the rule's floor is
+    what the unpadded probe returns with that kernel and its tile unit passes the tiles' check."""
+    from tether.model.invariant import onednn_linear
+    cfg = ModelConfig.from_folder(resolve_model("small"))
+    rule = numerics.onednn_probe(cfg, torch.float32)
+    if rule is None:
+        assert numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False) is None or not any(
+            numerics._padded_checks(cfg, torch.float32, u, 1, numerics._tiles_hold) for u in numerics.UNITS)
+        return
+    assert rule.linear == "onednn" and not rule.padded and rule.tile_unit in numerics.UNITS
+    assert rule.floor == numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False)
+    assert numerics._padded_checks(cfg, torch.float32, rule.tile_unit, 1, numerics._tiles_hold)
+    assert rule.tiles() == RowRule(rule.tile_unit, threads=rule.threads)
+
+
+@pytest.mark.parametrize("value, ok", [(None, True), ([2, 4, None], True), ([2, 16, 1], True), ([0, 4, None], False),
+                                       ([None, 4, None], False), ([2, 5, None], False), ([2, 4], False), ("2", False)])
+def test_an_onednn_answer_on_disk_is_checked(value, ok):
+    assert numerics._is_onednn_rule(value) == ok
