@@ -146,7 +146,10 @@ def main() -> None:
     def invariant(folder) -> ModelSlice:
         inv = load_slice(folder, dtype=args.dtype)
         if args.padded and not inv.rows.padded:
-            inv.rows = numerics.padded_probe(inv.cfg, inv.dtype)
+            padded = numerics.padded_probe(inv.cfg, inv.dtype)
+            if padded is None:
+                raise SystemExit(f"--padded: no padded {inv.dtype} kernels are invariant here")
+            inv.rows = numerics.with_thread_cap(inv.cfg, inv.dtype, padded)
         return inv
 
     if args.threads:

@@ -9,9 +9,10 @@ at least 2 rows (`probe` returns that floor). On a CPU without native bf16 dot p
 than fp32. Machines differ, so the machine decides: `choose_dtype` is the pure rule, `cpu_flags` and `probe`
 its inputs, `resolve` the cached whole.
 
-How a padded dtype pads differs between machines too (4 rows per thread on the EPYC, 16 on an Intel Xeon whose
-2-thread MKL products change bits for some row counts): `padded_probe` finds the unit and the thread cap, and
-`row_rule` is what a ModelSlice runs by (tether/model/invariant.py's RowRule).
+How a dtype pads differs between machines too (MKL: 4 rows per thread on the EPYC, 16 on an Intel Xeon, where
+oneDNN's fp32 linears need no padding from 2 rows): `choose_rule` picks the kernels and rows on 1 thread, so
+every process on a machine picks the same whatever its thread count, `with_thread_cap` caps the threads where
+more change bits, and `row_rule` is what a ModelSlice runs by (tether/model/invariant.py's RowRule).
 
 Every process that must agree makes the same choice the same way (the stages, `tether.reference`); the
 stage handshake refuses a pipeline whose stages chose differently (services/stage_worker/server.py).
@@ -19,10 +20,12 @@ stage handshake refuses a pipeline whose stages chose differently (services/stag
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,7 @@ import xxhash
 from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import RowRule, onednn_linear, padded_rows, threads_for
+from tether.model.invariant import LINEAR_KERNELS, RowRule, onednn_linear, padded_rows, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +119,30 @@ def floor_of(failing: Iterable[int]) -> int | None:
     return next((m for m in PROBE_ROWS if m > top and m <= MAX_FLOOR), None)
 
 
+def _attention_piece(keys: torch.Tensor, values: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The tiles' batched-matmul and softmax pieces (tether/model/tiles.py) over (tile, block) pairs: `piece(q,
+    at)` attends q's pairs to the pairs of keys/values from `at` on."""
+    d = keys.shape[-1]
+
+    def piece(qq: torch.Tensor, at: int = 0) -> torch.Tensor:
+        kk, vv = keys[at:at + qq.shape[0]], values[at:at + qq.shape[0]]
+        s = torch.matmul(qq * d ** -0.5, kk.mT)
+        p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
+        return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
+    return piece
+
+
+def _rope(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """RoPE as the slice applies it, its tables riding along as two extra columns of heads, so that a window
+    of rows gets its own rows' tables."""
+    from tether.model.llama import rotate_half   # the serving code's own op (llama imports us)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x, c, s = x[:, :heads], x[:, heads:heads + 1], x[:, heads + 1:]
+        return x * c + rotate_half(x) * s
+    return rope
+
+
 def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int, ...], block: int) -> set[int]:
     """The tiles' batched matmuls and softmax pieces (tether/model/tiles.py) over unpadded tile heights: a
     tile's rows are the same whatever the tile's height and however many (tile, block) pairs share the batch.
@@ -127,12 +154,7 @@ def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int,
     q = torch.randn(pairs, kvh, group * block, d, generator=g).to(dtype)
     keys = torch.randn(pairs, kvh, block, d, generator=g).to(dtype)
     values = torch.randn(pairs, kvh, block, d, generator=g).to(dtype)
-
-    def piece(qq: torch.Tensor, at: int = 0) -> torch.Tensor:
-        kk, vv = keys[at:at + qq.shape[0]], values[at:at + qq.shape[0]]
-        s = torch.matmul(qq * d ** -0.5, kk.mT)
-        p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
-        return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
+    piece = _attention_piece(keys, values)
 
     # a tile of `count` positions has group * count rows: windows of its heads' rows, as positions
     by_position = q.view(pairs, kvh, block, group, d)
@@ -152,7 +174,7 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
     threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
     do; None where the dtype must be padded like fp32. `kernel`: the linears' (F.linear, or
     invariant.onednn_linear); without `attention` the tiles are not checked (the caller pads them).""" 
-    from tether.model.llama import RMSNorm, rotate_half   # the serving code's own ops (llama imports us)
+    from tether.model.llama import RMSNorm   # the serving code's own op (llama imports us)
 
     before = torch.get_num_threads()
     threads = tuple(sorted({1, before}))
@@ -167,14 +189,10 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
                (h, cfg.intermediate_size), (cfg.intermediate_size, h), (h, cfg.vocab_size)}
     norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
     cos, sin = rand(rows, 1, d), rand(rows, 1, d)
+    rope = _rope(cfg.num_attention_heads)
+
     def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: kernel(x, w)
-
-    # RoPE's tables ride along as extra columns, so that a window of rows gets its own rows' tables
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        heads = cfg.num_attention_heads
-        x, c, s = x[:, :heads], x[:, heads:heads + 1], x[:, heads + 1:]
-        return x * c + rotate_half(x) * s
 
     checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
         (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
@@ -238,7 +256,7 @@ def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int)
     `threads` threads, gives the rows the bits of one batch computed on 1 thread: each linear (the LM head on
     fewer, smaller windows), RMSNorm, RoPE, SiLU-and-mul, and the attention tiles' batched matmuls over tile
     heights that are multiples of the unit (tether/model/tiles.py)."""
-    from tether.model.llama import RMSNorm, rotate_half   # the serving code's own ops (llama imports us)
+    from tether.model.llama import RMSNorm   # the serving code's own op (llama imports us)
 
     g = torch.Generator().manual_seed(unit * 100 + threads)
     step, h, d = unit * threads, cfg.hidden_size, cfg.head_dim
@@ -266,13 +284,8 @@ def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int)
     if differs(lambda x: F.linear(x, head), rand(max(HEAD_SPANS) * step, h), HEAD_SPANS, windows=2):
         return False
     norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
-
-    def rope(x: torch.Tensor) -> torch.Tensor:   # the tables ride along as extra columns, as in `probe`
-        x, c, s = x[:, :heads], x[:, heads:heads + 1], x[:, heads + 1:]
-        return x * c + rotate_half(x) * s
-
     if (differs(norm, rand(rows, h) * 20, PADDED_SPANS)
-            or differs(rope, rand(rows, heads + 2, d), PADDED_SPANS)
+            or differs(_rope(heads), rand(rows, heads + 2, d), PADDED_SPANS)
             or differs(lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20, PADDED_SPANS)):
         return False
     return _tiles_hold(cfg, dtype, unit, threads)
@@ -293,13 +306,7 @@ def _tiles_hold(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -
     block, pairs = settings.ATTENTION_BLOCK, 5
     height = max(step, -(-heads // kvh * block // step) * step)
     q = rand(pairs, kvh, height, d) * 20
-    keys, values = rand(pairs, kvh, block, d) * 20, rand(pairs, kvh, block, d) * 20
-
-    def piece(qq: torch.Tensor, at: int = 0) -> torch.Tensor:
-        kk, vv = keys[at:at + qq.shape[0]], values[at:at + qq.shape[0]]
-        s = torch.matmul(qq * d ** -0.5, kk.mT)
-        p = (s - s.amax(-1, keepdim=True)).clamp_(min=-87.0).exp_()
-        return torch.matmul(p, vv) / p.sum(-1, keepdim=True)
+    piece = _attention_piece(rand(pairs, kvh, block, d) * 20, rand(pairs, kvh, block, d) * 20)
 
     torch.set_num_threads(1)
     whole = piece(q)
@@ -310,36 +317,69 @@ def _tiles_hold(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int) -
 
 
 def padded_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
-    """The padded rule for this model here: the smallest of UNITS whose padded row counts give every op class
-    the same row bits on 1 thread, then the most threads up to torch's count on which they still give the
-    1-thread bits (a cap of 1: the forward keeps to 1 thread). None where no unit is invariant."""
+    """MKL padded: the smallest of UNITS whose padded row counts give every op class the same row bits on 1
+    thread; None where no unit is invariant."""
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1)), None)
-    if unit is None:
-        return None
-    most, threads = 1, torch.get_num_threads()
-    while most < threads and _padded_checks(cfg, dtype, unit, most + 1):
-        most += 1
-    return RowRule(unit, threads=None if most == threads else most)
+    return None if unit is None else RowRule(unit)
 
 
 def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """fp32 linears through oneDNN (invariant.onednn_linear) unpadded from a floor, where `probe` finds every
-    op class but the tiles invariant so, with the tiles' heights padded by the smallest unit that holds for
-    them (MKL's batched matmuls), and the most threads on which those still give 1-thread bits. On an Intel
-    Xeon MKL's fp32 rows change below 16 rows, oneDNN's only at 1: a decode step alone runs as 2 rows, not 16.
-    None where oneDNN is absent or not invariant."""
+    op class but the tiles invariant so on 1 thread, with the tiles' heights padded by the smallest unit that
+    holds for them (MKL's batched matmuls). On an Intel Xeon MKL's fp32 rows change below 16 rows, oneDNN's
+    only at 1: a decode step alone runs as 2 rows, not 16. None where oneDNN is absent or not invariant."""
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
-    floor = probe(cfg, dtype, kernel=onednn_linear, attention=False)
+    floor = _on_threads(1, lambda: probe(cfg, dtype, kernel=onednn_linear, attention=False))
     if floor is None:
         return None
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
-    if unit is None:
-        return None
+    return None if unit is None else RowRule(None, floor, linear="onednn", tile_unit=unit)
+
+
+def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
+    """`run()` with torch on `threads` threads, then the count restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
+    """The kernels and rows `dtype` runs this model on here, chosen on 1 thread, so that every process on the
+    machine chooses the same whatever its thread count (a row's bits depend on the rule): bf16 unpadded from
+    `probe`'s floor where the CPU has native bf16 and the probe passes; else whichever of `onednn_probe` (fp32)
+    and `padded_probe` pads a 1-row step to fewer rows (MKL on a tie); None where no kernels are invariant."""
+    if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
+        floor = _on_threads(1, lambda: probe(cfg, dtype))
+        if floor is not None:
+            return RowRule(None, floor)
+    fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)
+    if fast is None or (padded is not None and padded_rows(1, padded, 1) <= fast.floor):
+        return padded
+    return fast
+
+
+def holds_on(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule, threads: int) -> bool:
+    """Whether `rule`'s kernels give the 1-thread bits on `threads` threads too, on every op class it checks."""
+    if rule.unit is not None:
+        return _padded_checks(cfg, dtype, rule.unit, threads)
+    floor = _on_threads(threads, lambda: probe(cfg, dtype, kernel=LINEAR_KERNELS[rule.linear],
+                                               attention=rule.tile_unit is None))
+    if floor is None or floor > rule.floor:
+        return False
+    return rule.tile_unit is None or _padded_checks(cfg, dtype, rule.tile_unit, threads, _tiles_hold)
+
+
+def with_thread_cap(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule) -> RowRule:
+    """`rule` capped at the most threads, up to torch's count, on which it still gives 1-thread bits (a cap of
+    1: the forward keeps to 1 thread; no cap where all hold)."""
     most, threads = 1, torch.get_num_threads()
-    while most < threads and _padded_checks(cfg, dtype, unit, most + 1, _tiles_hold):
+    while most < threads and holds_on(cfg, dtype, rule, most + 1):
         most += 1
-    return RowRule(None, floor, threads=None if most == threads else most, linear="onednn", tile_unit=unit)
+    return dataclasses.replace(rule, threads=None if most == threads else most)
 
 
 _LOCK = threading.Lock()
@@ -356,58 +396,32 @@ def _code_digest() -> str:
     return xxhash.xxh3_64_hexdigest(b"".join((here / name).read_bytes() for name in _PROBED_CODE))
 
 
-@functools.lru_cache(maxsize=16)
-def _probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> int | None:
-    return probe_cache.cached(probe_cache.key(_code_digest(), cfg, dtype, threads), lambda: probe(cfg, dtype))
-
-
 def _is_rule(value: object) -> bool:
-    """A padded probe's answer on disk: [unit, thread cap or None], or None (no invariant unit)."""
-    return value is None or (isinstance(value, list) and len(value) == 2 and type(value[0]) is int
-                             and value[0] in UNITS and (value[1] is None or (type(value[1]) is int and value[1] >= 1)))
+    """A rule as kept on disk (`dataclasses.asdict`), or None (no invariant kernels)."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(RowRule)}:
+        return False
+    unit, floor, threads, linear, tile = (value[k] for k in ("unit", "floor", "threads", "linear", "tile_unit"))
+    return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
+            and (threads is None or (type(threads) is int and threads >= 1)) and linear in LINEAR_KERNELS
+            and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))
 
 
 @functools.lru_cache(maxsize=16)
-def _padded_probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None:
-    def compute() -> list[int | None] | None:
-        rule = padded_probe(cfg, dtype)
-        return None if rule is None else [rule.unit, rule.threads]
-    answer = probe_cache.cached(probe_cache.key(_code_digest() + ":padded", cfg, dtype, threads), compute,
-                                valid=_is_rule)
-    return None if answer is None else RowRule(answer[0], threads=answer[1])
-
-
-def _is_onednn_rule(value: object) -> bool:
-    """An oneDNN probe's answer on disk: [floor, tile unit, thread cap or None], or None."""
-    return value is None or (isinstance(value, list) and len(value) == 3 and probe_cache.is_floor(value[0]) and value[0] is not None
-                             and type(value[1]) is int and value[1] in UNITS
-                             and (value[2] is None or (type(value[2]) is int and value[2] >= 1)))
-
-
-@functools.lru_cache(maxsize=16)
-def _onednn_probed(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None:
-    def compute() -> list[int | None] | None:
-        rule = onednn_probe(cfg, dtype)
-        return None if rule is None else [rule.floor, rule.tile_unit, rule.threads]
-    answer = probe_cache.cached(probe_cache.key(_code_digest() + ":onednn", cfg, dtype, threads), compute,
-                                valid=_is_onednn_rule)
-    return None if answer is None else RowRule(None, answer[0], answer[2], "onednn", answer[1])
+def _found(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None:
+    def compute() -> dict[str, Any] | None:
+        rule = choose_rule(cfg, dtype)
+        return None if rule is None else dataclasses.asdict(with_thread_cap(cfg, dtype, rule))
+    answer = probe_cache.cached(probe_cache.key(_code_digest(), cfg, dtype, threads), compute, _is_rule)
+    return None if answer is None else RowRule(**answer)
 
 
 def servable_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
-    """The rows `dtype`'s kernels run a micro-batch of this model on here (each probe cached per process and
-    on disk per machine): unpadded from `unpadded_floor` where that probe passed (bf16); else whichever of
-    `onednn_probe` (fp32) and `padded_probe` pads a 1-row step to fewer rows (MKL on a tie); None where no
-    kernels are invariant (the dtype cannot give exact answers here)."""
-    floor = unpadded_floor(cfg, dtype)
-    if floor is not None:
-        return RowRule(None, floor)
+    """`choose_rule` with this process's thread cap (`with_thread_cap`), cached per process and on disk per
+    machine (tether/model/probe_cache.py); None where `dtype` has no invariant kernels here."""
     with _LOCK:
-        threads = torch.get_num_threads()
-        fast, padded = _onednn_probed(cfg, dtype, threads), _padded_probed(cfg, dtype, threads)
-    if fast is None or (padded is not None and padded_rows(1, padded, 1) <= fast.floor):
-        return padded
-    return fast
+        return _found(cfg, dtype, torch.get_num_threads())
 
 
 def row_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule:
@@ -422,13 +436,10 @@ def row_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule:
 
 
 def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:
-    """The fewest rows `dtype`'s kernels may run a micro-batch on unpadded for this model here (`probe`'s
-    floor), or None: pad like fp32. Only bf16 on a CPU with native bf16 is probed (cached per process and on disk per machine, tether/model/probe_cache.py; model
-    shapes and thread count); fp32 and fp16 are always padded."""
-    if dtype != torch.bfloat16 or BF16_FLAGS.isdisjoint(cpu_flags()):
-        return None
-    with _LOCK:
-        return _probed(cfg, dtype, torch.get_num_threads())
+    """The fewest rows bf16's own kernels run a micro-batch of this model on unpadded here (`probe`'s floor,
+    where the CPU has native bf16), or None: bf16 pads or is refused, and other dtypes are not asked."""
+    rule = servable_rule(cfg, dtype) if dtype == torch.bfloat16 else None
+    return rule.floor if rule is not None and not rule.padded and rule.linear == "mkl" else None
 
 
 def unpadded_invariant(cfg: ModelConfig, dtype: torch.dtype) -> bool:

@@ -47,13 +47,7 @@ def enabled() -> bool:
     return os.environ.get(settings.PROBE_CACHE_ENV, "1") != "0"
 
 
-def is_floor(value: object) -> bool:
-    """The unpadded probe's answer: a floor of rows (>= 1), or None."""
-    return value is None or (type(value) is int and value >= 1)
-
-
-def cached(k: str, compute: Callable[[], Any], folder: Path | None = None,
-           valid: Callable[[object], bool] = is_floor) -> Any:
+def cached(k: str, compute: Callable[[], Any], valid: Callable[[object], bool], folder: Path | None = None) -> Any:
     """The answer stored under `k` (a JSON value that `valid` accepts), or `compute()`'s, stored (atomically)
     for the next process."""
     if not enabled():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,15 +92,41 @@ def test_the_floor_pads_past_every_failing_row_count_but_no_further_than_max_flo
 def test_auto_is_probed_once_per_process(monkeypatch):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
     calls = []
-    monkeypatch.setattr(numerics, "probe", lambda c, dtype: calls.append(c) or 1)
+    monkeypatch.setattr(numerics, "probe", lambda c, dtype, **kw: calls.append(c) or 1)
     monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")   # this process's own probing (the disk: test_probe_cache)
-    numerics._probed.cache_clear()
+    numerics._found.cache_clear()
     try:
-        assert [numerics.resolve("auto", cfg) for _ in range(3)] == ["bfloat16"] * 3
-        assert calls == [cfg]
+        assert numerics.resolve("auto", cfg) == "bfloat16"
+        probed = len(calls)
+        assert probed >= 1 and [numerics.resolve("auto", cfg) for _ in range(2)] == ["bfloat16"] * 2
+        assert len(calls) == probed
     finally:
-        numerics._probed.cache_clear()   # later tests probe for real
+        numerics._found.cache_clear()   # later tests probe for real
+
+
+def test_the_choice_is_made_on_one_thread_whatever_the_process_runs_on(monkeypatch):
+    """Every process on a machine must choose the same kernels (a row's bits depend on them): a 2-thread
+    process whose 2-thread products differ keeps the 1-thread choice, capped to 1 thread, instead of
+    choosing other kernels (the reference and a stage would then disagree)."""
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    seen = []
+    real = numerics._padded_checks
+
+    def checks(c, dtype, unit, t, check=None):
+        seen.append(t)   # the threads it is asked to check on
+        return real(c, dtype, unit, t, check) if t == 1 else False
+    monkeypatch.setattr(numerics, "_padded_checks", checks)
+    monkeypatch.setattr(numerics, "probe", lambda c, dtype, **kw: seen.append(torch.get_num_threads()) or None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        choice = numerics.choose_rule(cfg, torch.float32)
+        assert choice is not None and set(seen) == {1}
+        assert numerics.with_thread_cap(cfg, torch.float32, choice) == dataclasses.replace(choice, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_padded_probe_takes_the_smallest_unit_that_holds_here_and_restores_threads():
@@ -116,13 +144,14 @@ def test_the_padded_probe_takes_the_smallest_unit_that_holds_here_and_restores_t
 
 
 @pytest.mark.parametrize("holds_on, threads, cap", [({1, 2, 3, 4}, 4, None), ({1, 2}, 4, 2), ({1}, 2, 1)])
-def test_the_padded_probe_caps_threads_where_more_change_bits(monkeypatch, holds_on, threads, cap):
+def test_the_thread_cap_is_the_most_threads_that_keep_one_thread_bits(monkeypatch, holds_on, threads, cap):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
-    monkeypatch.setattr(numerics, "_padded_checks", lambda c, dtype, unit, t: unit == 16 and t in holds_on)
+    monkeypatch.setattr(numerics, "_padded_checks", lambda c, dtype, unit, t, check=None: unit == 16 and t in holds_on)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert numerics.padded_probe(cfg, torch.float32) == RowRule(16, threads=cap)
+        assert numerics.padded_probe(cfg, torch.float32) == RowRule(16)
+        assert numerics.with_thread_cap(cfg, torch.float32, RowRule(16)) == RowRule(16, threads=cap)
     finally:
         torch.set_num_threads(before)
 
@@ -131,14 +160,14 @@ def test_a_dtype_with_no_invariant_unit_is_refused_with_a_reason(monkeypatch):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
     monkeypatch.setattr(numerics, "_padded_checks", lambda *a: False)
     monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")
-    numerics._padded_probed.cache_clear()
+    numerics._found.cache_clear()
     try:
         assert numerics.padded_probe(cfg, torch.float16) is None
         assert numerics.servable_rule(cfg, torch.float16) is None
         with pytest.raises(ValueError, match="float16 has no batch-invariant kernels on this CPU.*--dtype auto"):
             numerics.row_rule(cfg, torch.float16)
     finally:
-        numerics._padded_probed.cache_clear()
+        numerics._found.cache_clear()
 
 
 def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
@@ -159,12 +188,11 @@ def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
     (RowRule(None, 2, linear="onednn", tile_unit=4), None, "fast"),
     (None, None, None),
 ])
-def test_servable_rule_takes_the_kernels_that_pad_a_one_row_step_least(monkeypatch, fast, padded, want):
+def test_the_choice_takes_the_kernels_that_pad_a_one_row_step_least(monkeypatch, fast, padded, want):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
-    monkeypatch.setattr(numerics, "unpadded_floor", lambda c, dtype: None)
-    monkeypatch.setattr(numerics, "_onednn_probed", lambda c, dtype, t: fast)
-    monkeypatch.setattr(numerics, "_padded_probed", lambda c, dtype, t: padded)
-    assert numerics.servable_rule(cfg, torch.float32) == {"fast": fast, "padded": padded, None: None}[want]
+    monkeypatch.setattr(numerics, "onednn_probe", lambda c, dtype: fast)
+    monkeypatch.setattr(numerics, "padded_probe", lambda c, dtype: padded)
+    assert numerics.choose_rule(cfg, torch.float32) == {"fast": fast, "padded": padded, None: None}[want]
 
 
 def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
@@ -173,17 +201,28 @@ def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
     from tether.model.invariant import onednn_linear
     cfg = ModelConfig.from_folder(resolve_model("small"))
     rule = numerics.onednn_probe(cfg, torch.float32)
+    floor = numerics._on_threads(1, lambda: numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False))
     if rule is None:
-        assert numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False) is None or not any(
+        assert floor is None or not any(
             numerics._padded_checks(cfg, torch.float32, u, 1, numerics._tiles_hold) for u in numerics.UNITS)
         return
     assert rule.linear == "onednn" and not rule.padded and rule.tile_unit in numerics.UNITS
-    assert rule.floor == numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False)
+    assert rule.floor == floor
     assert numerics._padded_checks(cfg, torch.float32, rule.tile_unit, 1, numerics._tiles_hold)
     assert rule.tiles() == RowRule(rule.tile_unit, threads=rule.threads)
 
 
-@pytest.mark.parametrize("value, ok", [(None, True), ([2, 4, None], True), ([2, 16, 1], True), ([0, 4, None], False),
-                                       ([None, 4, None], False), ([2, 5, None], False), ([2, 4], False), ("2", False)])
-def test_an_onednn_answer_on_disk_is_checked(value, ok):
-    assert numerics._is_onednn_rule(value) == ok
+@pytest.mark.parametrize("value, ok", [
+    (None, True),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None}, True),
+    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4}, True),
+    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None}, False),
+    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None}, False),
+    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True}, False),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl"}, False),
+    ([16, None], False), ("16", False),
+])
+def test_a_rule_on_disk_is_checked_before_it_is_used(value, ok):
+    assert numerics._is_rule(value) == ok
