@@ -11,7 +11,8 @@ finds at start-up (tether/model/numerics.py probes every op class on the model's
   another way for some M (64-192, below 173), so that model's forward keeps to 1 thread (`RowRule.threads`).
 - Vectorised elementwise ops (exp in silu and softmax) take a scalar path for a tensor's tail, whose results
   can differ by an ulp from the vector path. Rows padded to a multiple of unit*T keep every tensor (and every
-  thread's chunk of it) a multiple of the vector width when widths are multiples of 16.
+  thread's chunk of it) a multiple of the vector width when widths are multiples of 16; unpadded rules (oneDNN
+  fp32) fuse the SiLU into the gate's matmul (`GATE_KERNELS`), and the probe sweeps silu's row counts.
 - Since every padded row count on T threads has the 1-thread bits, a micro-batch needs no more threads than
   it has units of rows: `invariant_threads` runs a batch of 1-4 rows (unit 4) on 1 thread padded to 4 rows,
   not on T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
@@ -80,8 +81,23 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# The linears' kernels a RowRule may name
+def onednn_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ weight.T), the SiLU fused into oneDNN's matmul ("swish"): its eltwise runs the same vector code
+    on every element. ATen's own silu takes a scalar path for the tail of a tensor, and of each thread's chunk
+    of it, whose exp differs by an ulp: on an AMD EPYC without AVX-512, tiny's [M, 688] silu on 2 threads gave
+    odd M >= 55 other bits, where the oneDNN rule runs M unpadded."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "swish", [], "")
+
+
+def mkl_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ weight.T) as torch computes it: invariant where rows pad to whole vectors (numerics probes it)."""
+    return torch.nn.functional.silu(torch.nn.functional.linear(x, weight))
+
+
+# The linears' kernels a RowRule may name, and each one's gate projection (the MLP's linear then SiLU)
 LINEAR_KERNELS = {"mkl": torch.nn.functional.linear, "onednn": onednn_linear}
+GATE_KERNELS = {"mkl": mkl_silu_linear, "onednn": onednn_silu_linear}
+assert GATE_KERNELS.keys() == LINEAR_KERNELS.keys()
 
 
 def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
+from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.tiles import AttentionPlan, Scratch
 
@@ -116,7 +115,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = GATE_KERNELS[self.gate_proj.kernel](x, self.gate_proj.weight)   # linear and SiLU, as the rule says
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

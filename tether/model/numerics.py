@@ -34,7 +34,7 @@ import xxhash
 from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import LINEAR_KERNELS, RowRule, onednn_linear, padded_rows, threads_for
+from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, padded_rows, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +53,9 @@ MAX_FLOOR = 4
 # that on an Intel Xeon with AMX, bf16 products of 262 rows give other bits than of 50.
 UNPADDED_LONG = 512
 LONG_WINDOWS = (17, 48, 100, 256)
+# Row counts every unfused SiLU is swept over (each thread's chunk of the tensor must end on a whole vector):
+# on an AMD EPYC without AVX-512, tiny's [M, 688] on 2 threads differed at odd M >= 55.
+SILU_ROWS = 160
 # Rows per thread a padded rule may pad to, tried smallest first (each costs that many rows at batch 1).
 UNITS = (4, 8, 16, 32, 64)
 # A padded rule is checked on windows of k units (k in PADDED_SPANS) against the rows of a batch of
@@ -168,12 +171,13 @@ def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int,
 
 
 def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
-          kernel: Callable[..., torch.Tensor] = F.linear, attention: bool = True) -> int | None:
+          kernel: str = "mkl", attention: bool = True) -> int | None:
     """Every op class of the model's forward, on its own shapes and random values, unpadded: each linear
     (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces, on 1 or all
     threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
-    do; None where the dtype must be padded like fp32. `kernel`: the linears' (F.linear, or
-    invariant.onednn_linear); without `attention` the tiles are not checked (the caller pads them).""" 
+    do; None where the dtype must be padded like fp32. `kernel`: the linears' (LINEAR_KERNELS: "mkl" is
+    F.linear), whose gate projection (GATE_KERNELS) is checked with its SiLU; without `attention` the tiles
+    are not checked (the caller pads them)."""
     from tether.model.llama import RMSNorm   # the serving code's own op (llama imports us)
 
     before = torch.get_num_threads()
@@ -192,14 +196,18 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
     rope = _rope(cfg.num_attention_heads)
 
     def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda x: kernel(x, w)
+        return lambda x: LINEAR_KERNELS[kernel](x, w)
+
+    gate_w = rand(cfg.intermediate_size, h) * 20
+    def gate(x: torch.Tensor) -> torch.Tensor:   # the gate projection and its SiLU, as the slice computes them
+        return GATE_KERNELS[kernel](x, gate_w)
 
     checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
         (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
     checks += [
         (norm, rand(rows, h) * 20),
         (rope, torch.cat([rand(rows, cfg.num_attention_heads, d), cos, sin], 1)),
-        (lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20),
+        (gate, rand(rows, h)),
     ]
     try:
         with torch.inference_mode():
@@ -209,10 +217,11 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
                 failing |= _failing_rows(op, x, threads)
                 if floor_of(failing) is None:
                     return None
-            for i, o in sorted(linears):
-                if o == cfg.vocab_size:
-                    continue
-                op, x = linear(rand(o, i)), rand(UNPADDED_LONG, i)
+            if kernel == "mkl" and not _silu_holds(cfg, dtype, range(1, SILU_ROWS + 1), threads):
+                return None
+            long_ops = [(linear(rand(o, i)), i) for i, o in sorted(linears) if o != cfg.vocab_size] + [(gate, h)]
+            for op, i in long_ops:
+                x = rand(UNPADDED_LONG, i)
                 torch.set_num_threads(1)
                 whole = op(x)
                 for t in threads:
@@ -226,6 +235,22 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
             return None if _attention_failing(cfg, dtype, threads, block) else floor_of(failing)
     finally:
         torch.set_num_threads(before)
+
+
+def _silu_holds(cfg: ModelConfig, dtype: torch.dtype, counts: Iterable[int], threads: Iterable[int]) -> bool:
+    """Whether ATen's SiLU (unfused, as GATE_KERNELS["mkl"] runs it) gives the first rows of [m, intermediate]
+    the bits of a taller batch's for every m in `counts`, on each thread count: its vector loop leaves each
+    thread's chunk a scalar tail, so bits follow where the chunks end (cheap: elementwise, every count)."""
+    g = torch.Generator().manual_seed(7)
+    counts = list(counts)
+    x = (torch.randn(max(counts) + 1, cfg.intermediate_size, generator=g) * 4).to(dtype)
+    torch.set_num_threads(1)
+    whole = F.silu(x)
+    for t in threads:
+        torch.set_num_threads(t)
+        if not all(torch.equal(F.silu(x[:m]), whole[:m]) for m in counts):
+            return False
+    return True
 
 
 def _window_differs(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, whole: torch.Tensor,
@@ -286,7 +311,8 @@ def _padded_holds(cfg: ModelConfig, dtype: torch.dtype, unit: int, threads: int)
     norm = RMSNorm(h, cfg.rms_norm_eps).to(dtype).requires_grad_(False)
     if (differs(norm, rand(rows, h) * 20, PADDED_SPANS)
             or differs(_rope(heads), rand(rows, heads + 2, d), PADDED_SPANS)
-            or differs(lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20, PADDED_SPANS)):
+            or differs(lambda x: F.silu(x) * x.flip(-1), rand(rows, cfg.intermediate_size) * 20, PADDED_SPANS)
+            or not _silu_holds(cfg, dtype, range(step, SILU_ROWS + 1, step), (threads,))):
         return False
     return _tiles_hold(cfg, dtype, unit, threads)
 
@@ -330,7 +356,7 @@ def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     only at 1: a decode step alone runs as 2 rows, not 16. None where oneDNN is absent or not invariant."""
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
-    floor = _on_threads(1, lambda: probe(cfg, dtype, kernel=onednn_linear, attention=False))
+    floor = _on_threads(1, lambda: probe(cfg, dtype, kernel="onednn", attention=False))
     if floor is None:
         return None
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
@@ -366,8 +392,7 @@ def holds_on(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule, threads: int) 
     """Whether `rule`'s kernels give the 1-thread bits on `threads` threads too, on every op class it checks."""
     if rule.unit is not None:
         return _padded_checks(cfg, dtype, rule.unit, threads)
-    floor = _on_threads(threads, lambda: probe(cfg, dtype, kernel=LINEAR_KERNELS[rule.linear],
-                                               attention=rule.tile_unit is None))
+    floor = _on_threads(threads, lambda: probe(cfg, dtype, kernel=rule.linear, attention=rule.tile_unit is None))
     if floor is None or floor > rule.floor:
         return False
     return rule.tile_unit is None or _padded_checks(cfg, dtype, rule.tile_unit, threads, _tiles_hold)

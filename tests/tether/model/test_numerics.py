@@ -198,10 +198,9 @@ def test_the_choice_takes_the_kernels_that_pad_a_one_row_step_least(monkeypatch,
 def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
     """Where oneDNN's fp32 linears are invariant unpadded here (smollm2 on an Intel Xeon), the rule's floor is
     what the unpadded probe returns with that kernel and its tile unit passes the tiles' check."""
-    from tether.model.invariant import onednn_linear
     cfg = ModelConfig.from_folder(resolve_model("small"))
     rule = numerics.onednn_probe(cfg, torch.float32)
-    floor = numerics._on_threads(1, lambda: numerics.probe(cfg, torch.float32, kernel=onednn_linear, attention=False))
+    floor = numerics._on_threads(1, lambda: numerics.probe(cfg, torch.float32, kernel="onednn", attention=False))
     if rule is None:
         assert floor is None or not any(
             numerics._padded_checks(cfg, torch.float32, u, 1, numerics._tiles_hold) for u in numerics.UNITS)
