@@ -8,6 +8,10 @@ before torch is imported.
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Stages forked from a fork server that imported torch once (tether/forkserver/): a fresh interpreter's import
+# is most of a stage's start-up, and the suite starts ~120 stages. Inherited by the CLIs the tests run;
+# tests/tether/cli/test_up.py turns it off to keep the plain subprocess path covered.
+os.environ.setdefault("TETHER_FORK_SERVER", "1")
 
 import pytest  # noqa: E402 - after the environment is set
 

@@ -10,9 +10,27 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import Protocol
 
 PARENT_ENV = "TETHER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+class Proc(Protocol):
+    """A child process as the launchers use one: subprocess.Popen, or tether.forkserver's ForkedProcess."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def follow_parent() -> None:

@@ -27,7 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import settings
-from tether.procutil import PARENT_ENV
+from tether.forkserver import client as forkserver
+from tether.procutil import PARENT_ENV, Proc
 from tether.security import certs, tls as tls_config
 from tether.model.config import ModelConfig, even_split
 from tether.model.loader import resolve_model
@@ -110,7 +111,7 @@ class Service:
     name: str
     argv: list[str]
     address: str
-    proc: subprocess.Popen | None = None
+    proc: Proc | None = None
     log_path: Path | None = None
     metrics_address: str | None = None   # HOST:PORT of its /metrics, when metrics are on
     came_up: bool = False                # it has listened on its port (since its first spawn): a healthy child
@@ -287,10 +288,11 @@ class LocalCluster:
             out = open(svc.log_path, "ab")
         # Passive OpenMP waits: spinning threads starve the other services sharing the machine's cores.
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-        svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    env=env, cwd=_repo_root())
-        if out is not None:
-            out.close()
+        try:
+            svc.proc = forkserver.spawn(svc.argv, _repo_root(), env, out)
+        finally:
+            if out is not None:
+                out.close()
 
     def wait_ready(self, timeout: float, name: str = "admission",
                    supervisor: StartupSupervisor | None = None) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tether import settings
+from tether.procutil import Proc
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,9 @@ class GaveUp(Exception):
         self.returncode = returncode
 
 
-class _Proc(Protocol):
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-
 class _Service(Protocol):
     name: str
-    proc: _Proc | None
+    proc: Proc | None
 
     def log_tail(self, lines: int = 30) -> str: ...
 

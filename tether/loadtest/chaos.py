@@ -327,9 +327,10 @@ class StageSupervisor:
         started = {s.name: time.monotonic() for s in stages}
         while not self._stop.wait(0.2):
             for svc in stages:
-                if svc.proc is None or svc.proc.poll() is None:
+                code = None if svc.proc is None else svc.proc.poll()
+                if code is None:
                     continue
-                self.exits.append(StageExit(svc.name, svc.proc.returncode,
+                self.exits.append(StageExit(svc.name, code,
                                             round(time.monotonic() - started[svc.name], 1)))
                 svc.argv = with_faults(svc.argv, self.plan.spec(self.kind, seed_offset=len(self.exits)))
                 try:

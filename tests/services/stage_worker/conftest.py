@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import reference, settings
 from tether.cli.cluster import free_port, wait_serving
+from tether.forkserver import client as forkserver
 from tether.model.config import ModelConfig
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.protocol import tensors
@@ -136,8 +137,7 @@ class LiveStage:
         argv = [sys.executable, "-m", "services.stage_worker", "--port", str(self.port), "--model", "tiny",
                 "--threads", "1", "--dtype", "float32", *args]   # float32 frames below; a later --dtype wins
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env={**base, "PYTHONUNBUFFERED": "1", **(env or {})})
+            self.proc = forkserver.spawn(argv, str(REPO), {**base, "PYTHONUNBUFFERED": "1", **(env or {})}, out)
         self.channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_send_message_length", 2 * settings.GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", settings.GRPC_MAX_MESSAGE_BYTES)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.request
 
+from tether import settings
 from tether.cli.cluster import free_port
 from tests.helpers import alive
 
@@ -21,7 +23,8 @@ def test_up_generate_and_clean_stop():
     up = subprocess.Popen(TETHER + ["up", "--model", "tiny", "--port", str(ports[0]), "--coordinator-port", str(ports[1]),
                                     "--stage-port", str(ports[2]), "--stages", "2", "--threads", "1",
                                     "--http-port", str(ports[3])],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, settings.FORK_SERVER_ENV: "0"})   # as users run it: plain processes
     pids, lines = [], []
     try:
         deadline = time.monotonic() + 180
