@@ -31,7 +31,7 @@ from tether.forkserver import client as forkserver
 from tether.procutil import PARENT_ENV, Proc
 from tether.security import certs, tls as tls_config
 from tether.model.config import ModelConfig, even_split
-from tether.model.loader import resolve_model
+from tether.model.folder import resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
