@@ -68,9 +68,13 @@ def test_a_forked_stage_serves_and_answers_signals_like_a_fresh_one(server, tmp_
 
 
 def test_the_server_refuses_a_module_it_does_not_fork(server, tmp_path):
+    """A stage server forks no coordinator (it would map torch), and nothing runs a module outside the list."""
     with open(tmp_path / "x.log", "ab") as out, pytest.raises(ForkServerError, match="refused"):
         server.popen(["services.coordinator", "--help"], REPO, server.env, out.fileno(), out.fileno())
-    assert forkserver.forkable([sys.executable, "-m", "services.coordinator"]) is None
+    with open(tmp_path / "x.log", "ab") as out, pytest.raises(ForkServerError, match="refused"):
+        server.popen(["tether.cli.main", "--help"], REPO, server.env, out.fileno(), out.fileno())
+    assert forkserver.forkable([sys.executable, "-m", "tether.cli.main"]) is None
+    assert forkserver.forkable([sys.executable, "-m", "services.coordinator", "-h"]) == ["services.coordinator", "-h"]
     assert forkserver.forkable([*STAGE, "--port", "1"]) == ["services.stage_worker", "--port", "1"]
     assert forkserver.forkable(["/usr/bin/python3", "-m", "services.stage_worker"]) is None
 
@@ -88,7 +92,11 @@ def test_spawn_forks_only_when_on_and_compatible(monkeypatch, tmp_path):
         forked = forkserver.spawn([*STAGE, "--help"], REPO, env, out)
         fresh = forkserver.spawn([*STAGE, "--help"], REPO, {**env, "OMP_NUM_THREADS": "1"}, out)
         other = forkserver.spawn([sys.executable, "-c", "print('plain')"], REPO, env, out)
-    assert isinstance(forked, ForkedProcess)
+    with open(tmp_path / "c.log", "ab") as out:
+        coordinator = forkserver.spawn([sys.executable, "-m", "services.coordinator", "--help"], REPO, env, out)
+    assert isinstance(forked, ForkedProcess) and isinstance(coordinator, ForkedProcess)
+    assert coordinator.wait(timeout=60) == 0 and "usage:" in (tmp_path / "c.log").read_text()
+    assert forkserver.shared("service", env, REPO) is not forkserver.shared("stage", env, REPO)
     assert isinstance(fresh, subprocess.Popen) and isinstance(other, subprocess.Popen)
     assert [p.wait(timeout=60) for p in (forked, fresh, other)] == [0, 0, 0]
     monkeypatch.setenv("TETHER_FORK_SERVER", "0")

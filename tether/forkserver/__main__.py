@@ -1,4 +1,5 @@
-"""`python -m tether.forkserver SOCKET`: serve forks on the Unix socket SOCKET until stdin closes."""
+"""`python -m tether.forkserver SOCKET KIND`: serve forks of KIND's modules on the Unix socket SOCKET until stdin
+closes."""
 
 import sys
 

@@ -84,12 +84,13 @@ class ForkedProcess:
 class ForkServer:
     """One fork server process (started here, stopped by `close` or when this process exits)."""
 
-    def __init__(self, env: Mapping[str, str], cwd: str, timeout: float = 120.0) -> None:
+    def __init__(self, env: Mapping[str, str], cwd: str, kind: str = "stage", timeout: float = 120.0) -> None:
         self.env = dict(env)
+        self.kind = kind
         self._dir = tempfile.mkdtemp(prefix="tether-fork-")
         self.path = str(Path(self._dir) / "socket")
         # stdin: a pipe only we hold, so the server sees EOF however this process ends
-        self.proc = subprocess.Popen([sys.executable, "-m", "tether.forkserver", self.path], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tether.forkserver", self.path, kind], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=self.env, cwd=cwd)
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -142,25 +143,25 @@ def forkable(argv: list[str]) -> list[str] | None:
     return None
 
 
-_shared: ForkServer | None = None
+_shared: dict[str, ForkServer] = {}
 _shared_lock = threading.Lock()
 
 
-def shared(env: Mapping[str, str], cwd: str) -> ForkServer:
-    """This process's fork server, started on first use with `env` (its children must be compatible), closed
-    at exit."""
-    global _shared
+def shared(kind: str, env: Mapping[str, str], cwd: str) -> ForkServer:
+    """This process's fork server of `kind`, started on first use with `env` (its children must be
+    compatible), closed at exit."""
     with _shared_lock:
-        if _shared is None or _shared.proc.poll() is not None:
-            if _shared is None:
+        server = _shared.get(kind)
+        if server is None or server.proc.poll() is not None:
+            if not _shared:
                 atexit.register(_close_shared)
-            _shared = ForkServer(env, cwd)
-        return _shared
+            server = _shared[kind] = ForkServer(env, cwd, kind)
+        return server
 
 
 def _close_shared() -> None:
-    if _shared is not None:
-        _shared.close()
+    for server in _shared.values():
+        server.close()
 
 
 def enabled() -> bool:
@@ -173,7 +174,7 @@ def spawn(argv: list[str], cwd: str, env: Mapping[str, str], stdout: IO[Any] | N
     or where ours go."""
     module = forkable(argv) if enabled() else None
     if module is not None:
-        server = shared(env, cwd)
+        server = shared(FORKED_MODULES[module[0]], env, cwd)
         if server.compatible(env):
             out = stdout.fileno() if stdout is not None else sys.stdout.fileno()
             return server.popen(module, cwd, env, out, out if stdout is not None else sys.stderr.fileno())

@@ -1,4 +1,4 @@
-"""The fork server: imports PRELOAD, then forks one child per request until its launcher goes.
+"""The fork server: imports its kind's PRELOADS, then forks one child per request until its launcher goes.
 
 Protocol (AF_UNIX SOCK_SEQPACKET, one connection per child, messages whole): the client sends a JSON request
 {"args": [module, arg...], "cwd": str, "env": {str: str}} with its stdout and stderr descriptors attached
@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any
 
-from tether.forkserver import FORKED_MODULES, PRELOAD
+from tether.forkserver import FORKED_MODULES, PRELOADS
 from tether.procutil import PARENT_ENV
 
 MAX_REQUEST = 1 << 20   # bytes of one request (its environment included)
@@ -34,20 +34,23 @@ STOP_GRACE_S = 5.0
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m tether.forkserver SOCKET (started by tether.forkserver.client)")
+    if len(argv) != 2 or argv[1] not in PRELOADS:
+        raise SystemExit(f"usage: python -m tether.forkserver SOCKET {{{','.join(PRELOADS)}}} "
+                         "(started by tether.forkserver.client)")
     # no PR_SET_PDEATHSIG here (it follows the launcher's *thread*, which may be short-lived): stdin's EOF
-    for name in PRELOAD:
+    kind = argv[1]
+    for name in PRELOADS[kind]:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(argv[0])
     listener.listen(64)
-    Server(listener).run()
+    Server(listener, kind).run()
 
 
 class Server:
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, kind: str) -> None:
         self.listener = listener
+        self.kind = kind
         self.children: dict[int, socket.socket] = {}
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
@@ -81,7 +84,7 @@ class Server:
             msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 2)
             request = json.loads(msg)
             args, cwd, env = request["args"], request["cwd"], request["env"]
-            if len(fds) != 2 or not args or args[0] not in FORKED_MODULES:
+            if len(fds) != 2 or not args or FORKED_MODULES.get(args[0]) != self.kind:
                 raise ValueError(f"refused: {args[:1]} with {len(fds)} descriptors")
         except (OSError, ValueError, KeyError, TypeError) as e:
             for fd in locals().get("fds", []):
