@@ -26,9 +26,8 @@ STAGE = [sys.executable, "-m", "services.stage_worker"]
 
 @pytest.fixture(scope="module")
 def server():
-    s = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"}, REPO)
-    yield s
-    s.close()
+    """This test process's stage server (the shared one: another would import torch again)."""
+    return forkserver.shared("stage", {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO)
 
 
 def _fork(server: ForkServer, log: Path, *args: str, env: dict[str, str] | None = None) -> ForkedProcess:
@@ -105,9 +104,12 @@ def test_spawn_forks_only_when_on_and_compatible(monkeypatch, tmp_path):
 
 
 def test_children_die_with_the_server_and_the_server_with_its_launcher(tmp_path):
-    s = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"}, REPO)
-    child = _fork(s, tmp_path / "c.log", "--port", str(free_port()), "--model", "tiny", "--threads", "1")
-    assert alive(child.pid)
+    # a coordinator whose stages never answer runs until stopped; its server imports no torch (quick)
+    s = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"}, REPO, kind="service")
+    with open(tmp_path / "c.log", "ab") as out:
+        child = s.popen(["services.coordinator", "--port", str(free_port()), "--model", "tiny",
+                         "--stages", f"127.0.0.1:{free_port()}"], REPO, s.env, out.fileno(), out.fileno())
+    assert child.poll() is None and alive(child.pid), (tmp_path / "c.log").read_text()
     s.close()                                             # the launcher's pipe closed: SIGTERM, then SIGKILL
     assert not alive(s.proc.pid)
     deadline = time.monotonic() + 10
