@@ -42,7 +42,8 @@ lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (servi
 
 # Three test processes (pytest-xdist), each test file whole on one of them (the shared cluster is started once per
 # process): a service test waits on processes and sockets part of the time, so on 2 cores two workers left the CPU
-# ~16% idle and three leave it ~4% (pytest 465-643 s with three, quiet machine). TEST_WORKERS=0 runs everything
+# ~16% idle and three leave it ~4% (pytest 465-643 s with three, quiet machine; with the fork servers, on an AMD
+# EPYC without AVX-512: 543 s with three, 578 s with four). TEST_WORKERS=0 runs everything
 # in this process (a debugger, or -x on the first failure). The last line is the whole command's wall time, from
 # make's start: venv, packages, model and lint included. `make lint` runs first.
 TEST_WORKERS ?= 3

@@ -34,7 +34,7 @@ import xxhash
 from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, padded_rows, threads_for
+from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +58,11 @@ LONG_WINDOWS = (17, 48, 100, 256)
 SILU_ROWS = 160
 # Rows per thread a padded rule may pad to, tried smallest first (each costs that many rows at batch 1).
 UNITS = (4, 8, 16, 32, 64)
+# MKL padded to at most this unit is kept over oneDNN's unpadded fp32 linears. smollm2's seven linears of a
+# layer at 1 thread: on an AMD EPYC without AVX-512, MKL 1,067 us at 1 row (plain), 1,190 at 4 rows, oneDNN
+# 2,833 at 2 rows (its floor; 693 at 1); on an Intel Xeon (AVX-512, AMX), MKL 561 at 1 row, 1,454 at 16 (its
+# unit), oneDNN 1,030 at 2. Fewer padded rows was not the faster kernel.
+MKL_UNIT_BEFORE_ONEDNN = 4
 # A padded rule is checked on windows of k units (k in PADDED_SPANS) against the rows of a batch of
 # PADDED_WHOLE units computed on 1 thread; the LM head, whose products are the largest and which only ever sees
 # a step's sampled rows, on the first HEAD_SPANS and the first 2 windows of each; the other linears also on
@@ -376,14 +381,16 @@ def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
 def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """The kernels and rows `dtype` runs this model on here, chosen on 1 thread, so that every process on the
     machine chooses the same whatever its thread count (a row's bits depend on the rule): bf16 unpadded from
-    `probe`'s floor where the CPU has native bf16 and the probe passes; else whichever of `onednn_probe` (fp32)
-    and `padded_probe` pads a 1-row step to fewer rows (MKL on a tie); None where no kernels are invariant."""
+    `probe`'s floor where the CPU has native bf16 and the probe passes; else MKL padded (`padded_probe`) where
+    its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's fp32 linears (`onednn_probe`) where MKL pads more or
+    is not invariant; None where no kernels are invariant. Chosen by the probes' answers, not by timing them,
+    so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
         floor = _on_threads(1, lambda: probe(cfg, dtype))
         if floor is not None:
             return RowRule(None, floor)
     fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)
-    if fast is None or (padded is not None and padded_rows(1, padded, 1) <= fast.floor):
+    if fast is None or (padded is not None and padded.unit is not None and padded.unit <= MKL_UNIT_BEFORE_ONEDNN):
         return padded
     return fast
 

@@ -182,13 +182,15 @@ def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
 
 
 @pytest.mark.parametrize("fast, padded, want", [
-    (RowRule(None, 2, linear="onednn", tile_unit=4), RowRule(16), "fast"),   # 2 rows < 16
-    (RowRule(None, 4, linear="onednn", tile_unit=4), RowRule(4), "padded"),  # a tie: MKL
+    (RowRule(None, 2, linear="onednn", tile_unit=4), RowRule(16), "fast"),     # MKL pads past 4 rows: oneDNN
+    (RowRule(None, 2, linear="onednn", tile_unit=4), RowRule(8), "fast"),
+    (RowRule(None, 2, linear="onednn", tile_unit=4), RowRule(4), "padded"),    # 4 MKL rows beat 2 oneDNN ones
+    (RowRule(None, 4, linear="onednn", tile_unit=4), RowRule(4), "padded"),
     (None, RowRule(16), "padded"),
     (RowRule(None, 2, linear="onednn", tile_unit=4), None, "fast"),
     (None, None, None),
 ])
-def test_the_choice_takes_the_kernels_that_pad_a_one_row_step_least(monkeypatch, fast, padded, want):
+def test_the_choice_keeps_mkl_padded_to_4_rows_else_takes_onednn(monkeypatch, fast, padded, want):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
     monkeypatch.setattr(numerics, "onednn_probe", lambda c, dtype: fast)
     monkeypatch.setattr(numerics, "padded_probe", lambda c, dtype: padded)
