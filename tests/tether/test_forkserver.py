@@ -80,7 +80,7 @@ def test_the_server_refuses_a_module_it_does_not_fork(server, tmp_path):
 
 def test_an_environment_read_at_import_is_never_forked(server):
     assert server.compatible({**server.env, "TETHER_FAULTS": "drop:0.1", "NEW_VAR": "x"})
-    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD", "TORCH_LOGS"):
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD", "TORCH_LOGS", "GRPC_TRACE"):
         assert not server.compatible({**server.env, key: "7"}), key
 
 

@@ -29,5 +29,6 @@ PRELOADS = {"service": SERVICE_LIBS, "stage": ("torch", *SERVICE_LIBS)}
 FORKED_MODULES = {"services.stage_worker": "stage", "services.coordinator": "service", "services.admission": "service"}
 # Environment read while a PRELOADS list is imported (OpenMP, MKL, torch, the loader, Python itself): a command
 # whose values differ from the server's runs as a plain subprocess, since a fork would keep the server's.
+# (gRPC's and OpenTelemetry's are read when a child starts them, but kept equal too, to be safe.)
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "TORCH", "PYTORCH",
-                            "LD_", "PYTHON", "MALLOC_", "CUDA")
+                            "LD_", "PYTHON", "MALLOC_", "CUDA", "GRPC_", "OTEL_")
