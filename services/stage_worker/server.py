@@ -108,6 +108,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # (a coordinator with --dtype auto sends none): a pipeline never mixes numerics
             whose = "the coordinator expects" if req.index == 0 else "the stages before it run"
             return f"{who} runs {self.worker.dtype}, {whose} {req.dtype}: a pipeline never mixes numerics"
+        kernels = self.model.rows.kernels
+        if req.kernels and req.kernels != kernels:
+            return (f"{who} runs {self.worker.dtype} {kernels}, the stages before it run {req.kernels}: a pipeline "
+                    f"never mixes numerics (their CPUs or torch builds differ)")
         if len(req.stamp_key) != KEY_BYTES:
             return f"{who} needs a {KEY_BYTES}-byte stamp key, got {len(req.stamp_key)} bytes"
         if req.index >= len(req.route):
@@ -148,6 +152,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             down.index = request.index + 1
             down.prev_layer_end = self.model.layer_end
             down.dtype = self.worker.dtype   # every stage after us must run what we run
+            down.kernels = self.model.rows.kernels
             try:
                 reply = await stage_pb2_grpc.StageStub(self.next_channel).Handshake(down, timeout=10)
             except grpc.aio.AioRpcError as e:

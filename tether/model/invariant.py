@@ -27,6 +27,7 @@ Attention, the one op that mixes rows, is in tether/model/tiles.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +65,12 @@ class RowRule:
         if self.tile_unit is not None:
             return RowRule(self.tile_unit, threads=self.threads)
         return self if self.padded else RowRule(None, threads=self.threads)
+
+    @property
+    def kernels(self) -> str:
+        """What decides a row's bits (the handshake compares it along a route): the rule without its thread
+        cap, which only keeps a forward to threads that give the 1-thread bits."""
+        return str(dataclasses.replace(self, threads=None))
 
     def __str__(self) -> str:
         rows = f"padded to {self.unit} rows per thread" if self.unit else f"unpadded, at least {self.floor} rows"

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from tether import settings
+from tether.model import numerics
+from tether.model.config import ModelConfig
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.v1 import stage_pb2
 from tests.helpers import second_dtype
@@ -370,6 +372,25 @@ def test_a_route_that_mixes_numerics_is_refused(start_stage):
         protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=req.model_fingerprint,
         route=[stage_pb2.RouteEntry(address="127.0.0.1:1"), stage_pb2.RouteEntry(address=last.address)], index=1,
         prev_layer_end=2, pipeline_epoch=5, dtype=other, stamp_key=bytes(32)), timeout=15).ok
+
+
+def test_a_route_whose_stages_chose_other_kernels_is_refused(start_stage):
+    """Each stage forwards its kernels and rows (RowRule) with the handshake: a stage after it that runs
+    others (another CPU, another torch) refuses the route, as for another dtype; the same ones are taken."""
+    stage = start_stage("--layers", "2:4", "--dtype", "float32")
+    mine = numerics.row_rule(ModelConfig.from_folder(resolve_model("tiny")), torch.float32).kernels
+    other = "padded to 64 rows per thread" if "64 rows" not in mine else "unpadded, at least 1 rows"
+
+    def handshake(kernels: str) -> stage_pb2.HandshakeReply:
+        return stage.stub.Handshake(stage_pb2.HandshakeRequest(
+            protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=model_fingerprint(resolve_model("tiny")),
+            route=[stage_pb2.RouteEntry(address="127.0.0.1:1"), stage_pb2.RouteEntry(address=stage.address)],
+            index=1, prev_layer_end=2, pipeline_epoch=5, dtype="float32", stamp_key=bytes(32), kernels=kernels),
+            timeout=15)
+    refused = handshake(other)
+    assert not refused.ok and f"runs float32 {mine}" in refused.error and f"before it run {other}" in refused.error
+    assert "never mixes numerics" in refused.error
+    assert handshake(mine).ok
 
 
 def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_stage, kit):
