@@ -116,8 +116,9 @@ ADMISSION_MAX_CONNECTION_AGE_S = 1800.0
 # Where generated preset models live (override with TETHER_HOME).
 TETHER_HOME_ENV = "TETHER_HOME"
 PROBE_CACHE_ENV = "TETHER_PROBE_CACHE"   # "0": run the numerics probe in every process (tether/model/probe_cache.py)
-# "1": a LocalCluster forks its stages from a fork server that imported torch once (tether/forkserver/), not a
-# fresh interpreter each; the tests set it (each stage start saves the import: ~5 CPU-s here).
+# "1": a LocalCluster forks its services from fork servers that imported torch (stages) or gRPC and telemetry
+# (coordinator, admission) once (tether/forkserver/), not a fresh interpreter each; the tests set it (a stage's
+# start saves ~5 CPU-s of import on a 2-core AMD EPYC without AVX-512).
 FORK_SERVER_ENV = "TETHER_FORK_SERVER"
 
 # Hostile input on the stage protocol (docs/PROTOCOL.md): a stage serves at most this many Forward streams at

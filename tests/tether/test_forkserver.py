@@ -62,8 +62,8 @@ def test_a_forked_stage_serves_and_answers_signals_like_a_fresh_one(server, tmp_
     killed = _fork(server, tmp_path / "killed.log", "--port", str(free_port()), "--model", "tiny")
     killed.kill()
     assert killed.wait(timeout=30) == -signal.SIGKILL
-    killed.kill()                                         # after its exit: nothing, and no other process
-    assert not alive(killed.pid) or killed.pid == os.getpid()
+    killed.kill()                                         # after its exit: nothing is signalled, nothing raised
+    assert killed.poll() == -signal.SIGKILL and not alive(killed.pid)
 
 
 def test_the_server_refuses_a_module_it_does_not_fork(server, tmp_path):
@@ -116,3 +116,27 @@ def test_children_die_with_the_server_and_the_server_with_its_launcher(tmp_path)
     while alive(child.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(child.pid)
+
+
+def test_a_bad_request_is_refused_and_the_server_goes_on(server, tmp_path):
+    import socket
+    with open(tmp_path / "x.log", "ab") as out, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.connect(server.path)
+        socket.send_fds(conn, [b"not json"], [out.fileno(), out.fileno()])
+        assert conn.recv(4096).startswith(b"error ")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:   # a client gone before the answer
+        conn.connect(server.path)
+        conn.send(b"{}")
+    ok = _fork(server, tmp_path / "help.log", "--help")
+    assert ok.wait(timeout=30) == 0
+
+
+def test_a_child_whose_server_was_killed_exits_and_reads_as_sigterm(tmp_path):
+    s = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"}, REPO, kind="service")
+    with open(tmp_path / "c.log", "ab") as out:
+        child = s.popen(["services.coordinator", "--port", str(free_port()), "--model", "tiny",
+                         "--stages", f"127.0.0.1:{free_port()}"], REPO, s.env, out.fileno(), out.fileno())
+    s.proc.kill()                                         # no word to its clients: the child's parent-death signal
+    s.proc.wait()
+    assert child.wait(timeout=30) == -signal.SIGTERM and not alive(child.pid)
+    s.close()

@@ -49,8 +49,11 @@ class ForkedProcess:
             msg = self._conn.recv(64)
             if msg.startswith(b"exit "):
                 self.returncode = int(msg[5:])
-            else:   # the server died without a word: its children died with it (PR_SET_PDEATHSIG, SIGTERM)
-                select.select([self._pidfd], [], [], timeout)
+            else:   # the server died without a word: the child goes with it (its parent-death signal is
+                # SIGTERM), and only its parent could read its status, so it reads as SIGTERM once it has exited
+                exited, _, _ = select.select([self._pidfd], [], [], timeout)
+                if not exited:
+                    return
                 self.returncode = -signal.SIGTERM
             self._conn.close()
             os.close(self._pidfd)

@@ -13,6 +13,7 @@ held in a child. Threads the preloaded libraries start (numpy's OpenBLAS pool) a
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -79,22 +80,30 @@ class Server:
             self.stopping = True
 
     def _accept(self) -> None:
-        conn, _ = self.listener.accept()
+        """One request: refused with "error ..." (the server goes on serving), or forked."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        fds: list[int] = []
         try:
             msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 2)
             request = json.loads(msg)
             args, cwd, env = request["args"], request["cwd"], request["env"]
             if len(fds) != 2 or not args or FORKED_MODULES.get(args[0]) != self.kind:
                 raise ValueError(f"refused: {args[:1]} with {len(fds)} descriptors")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            for fd in locals().get("fds", []):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        except (OSError, ValueError, KeyError, TypeError) as e:   # a bad request, or no fork (EAGAIN, ENOMEM)
+            for fd in fds:
                 os.close(fd)
-            conn.sendall(f"error {e}".encode()[:4096])
+            try:
+                conn.sendall(f"error {e}".encode()[:4096])
+            except OSError:
+                pass
             conn.close()
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
         if pid == 0:
             self._become_child(conn, fds, args, cwd, env)   # never returns
         for fd in fds:
@@ -192,7 +201,6 @@ def _run_module(module: str) -> int:
         threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first: join non-daemon threads
     except Exception:
         pass
-    import atexit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -88,17 +88,18 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def onednn_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ weight.T), the SiLU fused into oneDNN's matmul ("swish"): its eltwise runs the same vector code
+def onednn_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ weight.T + bias), the SiLU fused into oneDNN's matmul ("swish"): its eltwise runs the same vector code
     on every element. ATen's own silu takes a scalar path for the tail of a tensor, and of each thread's chunk
     of it, whose exp differs by an ulp: on an AMD EPYC without AVX-512, tiny's [M, 688] silu on 2 threads gave
     odd M >= 55 other bits, where the oneDNN rule runs M unpadded."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "swish", [], "")
 
 
-def mkl_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ weight.T) as torch computes it: invariant where rows pad to whole vectors (numerics probes it)."""
-    return torch.nn.functional.silu(torch.nn.functional.linear(x, weight))
+def mkl_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ weight.T + bias) as torch computes it: invariant where rows pad to whole vectors (numerics
+    probes it)."""
+    return torch.nn.functional.silu(torch.nn.functional.linear(x, weight, bias))
 
 
 # The linears' kernels a RowRule may name, and each one's gate projection (the MLP's linear then SiLU)

@@ -115,7 +115,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = GATE_KERNELS[self.gate_proj.kernel](x, self.gate_proj.weight)   # linear and SiLU, as the rule says
+        g = self.gate_proj   # its product and SiLU as one kernel of the rule's
+        gate = GATE_KERNELS[g.kernel](x, g.weight, g.bias)
         return self.down_proj(gate * self.up_proj(x))
 
 
