@@ -94,6 +94,7 @@ class Server:
                 raise ValueError(f"refused: {args[:1]} with {len(fds)} descriptors")
             sys.stdout.flush()
             sys.stderr.flush()
+            server = os.getpid()   # read before the fork: a child that asks getppid() after we died gets init
             pid = os.fork()
         except (OSError, ValueError, KeyError, TypeError) as e:   # a bad request, or no fork (EAGAIN, ENOMEM)
             for fd in fds:
@@ -105,7 +106,7 @@ class Server:
             conn.close()
             return
         if pid == 0:
-            self._become_child(conn, fds, args, cwd, env)   # never returns
+            self._become_child(conn, fds, args, cwd, env, server)   # never returns
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)   # before any reap, so it names this child
@@ -148,7 +149,7 @@ class Server:
             _signal(pid, signal.SIGKILL)
 
     def _become_child(self, conn: socket.socket, fds: list[int], args: list[str], cwd: str,
-                      env: dict[str, str]) -> None:
+                      env: dict[str, str], server: int) -> None:
         """In the forked child: the server's state dropped, the request's descriptors, directory, environment
         and argv taken, then `python -m args[0] args[1:]` run as the interpreter would; exits with its code."""
         code = 1
@@ -171,7 +172,7 @@ class Server:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
-            os.environ[PARENT_ENV] = str(os.getppid())   # follow_parent() then dies with the server
+            os.environ[PARENT_ENV] = str(server)   # follow_parent() then dies with the server, or exits if it has
             sys.argv = ["-m", *args[1:]]
             code = _run_module(args[0])
         except BaseException:
