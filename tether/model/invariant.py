@@ -12,7 +12,7 @@ finds at start-up (tether/model/numerics.py probes every op class on the model's
 - Vectorised elementwise ops (exp in silu and softmax) take a scalar path for a tensor's tail, whose results
   can differ by an ulp from the vector path. Rows padded to a multiple of unit*T keep every tensor (and every
   thread's chunk of it) a multiple of the vector width when widths are multiples of 16; unpadded rules (oneDNN
-  fp32) fuse the SiLU into the gate's matmul (`GATE_KERNELS`), and the probe sweeps silu's row counts.
+  fp32) fuse the SiLU into the gate's matmul (`Kernel.gate`), and the probe sweeps silu's row counts.
 - Since every padded row count on T threads has the 1-thread bits, a micro-batch needs no more threads than
   it has units of rows: `invariant_threads` runs a batch of 1-4 rows (unit 4) on 1 thread padded to 4 rows,
   not on T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,7 +51,7 @@ class RowRule:
     unit: int | None = 4
     floor: int = 1
     threads: int | None = None
-    # The linears' kernel (LINEAR_KERNELS), and, where the micro-batch runs unpadded on a kernel that is
+    # The linears' kernel (KERNELS), and, where the micro-batch runs unpadded on a kernel that is
     # invariant so but the tiles' batched matmuls are not, the unit their heights pad to (None: as the batch).
     linear: str = "mkl"
     tile_unit: int | None = None
@@ -81,10 +81,18 @@ class RowRule:
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered once into oneDNN's blocked layout (an opaque mkldnn tensor). Unpacked, oneDNN
+    reorders the weight on every call: on an AMD EPYC with avx512_bf16, smollm2's 15 layers' bf16 linears
+    took 19 ms a 2-row step through F.linear and 11 ms packed, with the same bits."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN's matmul rather than MKL's sgemm (what F.linear takes for fp32): on
-    an Intel Xeon its fp32 rows have the same bits for every row count >= 2 and thread count, where MKL's
-    change below 16 rows (tether/model/numerics.py probes it before a slice uses it)."""
+    """x @ weight.T + bias through oneDNN's matmul on a packed weight (`onednn_pack`), rather than MKL's sgemm
+    (what F.linear takes for fp32): on an Intel Xeon its fp32 rows have the same bits for every row count >= 2
+    and thread count, where MKL's change below 16 rows (tether/model/numerics.py probes it before a slice uses
+    it)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -102,10 +110,23 @@ def mkl_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.nn.functional.silu(torch.nn.functional.linear(x, weight, bias))
 
 
-# The linears' kernels a RowRule may name, and each one's gate projection (the MLP's linear then SiLU)
-LINEAR_KERNELS = {"mkl": torch.nn.functional.linear, "onednn": onednn_linear}
-GATE_KERNELS = {"mkl": mkl_silu_linear, "onednn": onednn_silu_linear}
-assert GATE_KERNELS.keys() == LINEAR_KERNELS.keys()
+def _as_is(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The linears' kernel a RowRule names: the product, the MLP's gate projection with its SiLU, and what a
+    weight becomes once before either runs on it (the probe checks the kernel exactly so)."""
+
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    gate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    prepare: Callable[[torch.Tensor], torch.Tensor]
+
+
+# "mkl": torch's own F.linear (MKL's sgemm for fp32, oneDNN reordering the weight per call for bf16)
+KERNELS = {"mkl": Kernel(torch.nn.functional.linear, mkl_silu_linear, _as_is),
+           "onednn": Kernel(onednn_linear, onednn_silu_linear, onednn_pack)}
 
 
 def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:

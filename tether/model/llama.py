@@ -19,7 +19,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
+from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.tiles import AttentionPlan, Scratch
 
@@ -42,12 +42,26 @@ class Attend(Protocol):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product runs on the kernel its slice's RowRule names (`kernel`: LINEAR_KERNELS)."""
+    """nn.Linear whose product runs on the kernel its slice's RowRule names (`kernel`: invariant.KERNELS), on
+    the weight as that kernel prepares it (oneDNN's packed layout), made at first use and again whenever the
+    weight changes (a load, a kernel switch)."""
 
     kernel = "mkl"
+    _prepared: tuple[tuple[str, int, int], torch.Tensor] | None = None
+
+    def prepared_weight(self) -> torch.Tensor:
+        w = self.weight   # an inference tensor keeps no version (and cannot change outside inference mode)
+        key = (self.kernel, w.data_ptr(), -1 if w.is_inference() else w._version)
+        if self._prepared is None or self._prepared[0] != key:
+            self._prepared = (key, KERNELS[self.kernel].prepare(w.detach()))
+        return self._prepared[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return LINEAR_KERNELS[self.kernel](x, self.weight, self.bias)
+        return KERNELS[self.kernel].linear(x, self.prepared_weight(), self.bias)
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(self(x)) as the kernel computes it (fused into oneDNN's matmul, or not)."""
+        return KERNELS[self.kernel].gate(x, self.prepared_weight(), self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -115,9 +129,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj   # its product and SiLU as one kernel of the rule's
-        gate = GATE_KERNELS[g.kernel](x, g.weight, g.bias)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(self.gate_proj.gate(x) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

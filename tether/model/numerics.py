@@ -34,7 +34,7 @@ import xxhash
 from tether import settings
 from tether.model import probe_cache
 from tether.model.config import ModelConfig
-from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, threads_for
+from tether.model.invariant import KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,6 +63,10 @@ UNITS = (4, 8, 16, 32, 64)
 # 2,833 at 2 rows (its floor; 693 at 1); on an Intel Xeon (AVX-512, AMX), MKL 561 at 1 row, 1,454 at 16 (its
 # unit), oneDNN 1,030 at 2. Fewer padded rows was not the faster kernel.
 MKL_UNIT_BEFORE_ONEDNN = 4
+# bf16 linears tried in turn, the first whose probe passes chosen: oneDNN on weights packed once (F.linear
+# reorders a bf16 weight on every call; on an AMD EPYC with avx512_bf16, the same bits at 0.6x the time),
+# then F.linear itself.
+BF16_KERNELS = ("onednn", "mkl")
 # A padded rule is checked on windows of k units (k in PADDED_SPANS) against the rows of a batch of
 # PADDED_WHOLE units computed on 1 thread; the LM head, whose products are the largest and which only ever sees
 # a step's sampled rows, on the first HEAD_SPANS and the first 2 windows of each; the other linears also on
@@ -180,8 +184,8 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
     """Every op class of the model's forward, on its own shapes and random values, unpadded: each linear
     (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces, on 1 or all
     threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
-    do; None where the dtype must be padded like fp32. `kernel`: the linears' (LINEAR_KERNELS: "mkl" is
-    F.linear), whose gate projection (GATE_KERNELS) is checked with its SiLU; without `attention` the tiles
+    do; None where the dtype must be padded like fp32. `kernel`: the linears' (invariant.KERNELS: "mkl" is
+    F.linear), on weights it prepares, whose gate projection is checked with its SiLU; without `attention` the tiles
     are not checked (the caller pads them)."""
     from tether.model.llama import RMSNorm   # the serving code's own op (llama imports us)
 
@@ -200,12 +204,14 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
     cos, sin = rand(rows, 1, d), rand(rows, 1, d)
     rope = _rope(cfg.num_attention_heads)
 
+    run = KERNELS[kernel]
     def linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda x: LINEAR_KERNELS[kernel](x, w)
+        prepared = run.prepare(w)
+        return lambda x: run.linear(x, prepared, None)
 
-    gate_w = rand(cfg.intermediate_size, h) * 20
+    gate_w = run.prepare(rand(cfg.intermediate_size, h) * 20)
     def gate(x: torch.Tensor) -> torch.Tensor:   # the gate projection and its SiLU, as the slice computes them
-        return GATE_KERNELS[kernel](x, gate_w)
+        return run.gate(x, gate_w, None)
 
     checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
         (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
@@ -243,7 +249,7 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
 
 
 def _silu_holds(cfg: ModelConfig, dtype: torch.dtype, counts: Iterable[int], threads: Iterable[int]) -> bool:
-    """Whether ATen's SiLU (unfused, as GATE_KERNELS["mkl"] runs it) gives the first rows of [m, intermediate]
+    """Whether ATen's SiLU (unfused, as KERNELS["mkl"].gate runs it) gives the first rows of [m, intermediate]
     the bits of a taller batch's for every m in `counts`, on each thread count: its vector loop leaves each
     thread's chunk a scalar tail, so bits follow where the chunks end (cheap: elementwise, every count)."""
     g = torch.Generator().manual_seed(7)
@@ -381,14 +387,15 @@ def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
 def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """The kernels and rows `dtype` runs this model on here, chosen on 1 thread, so that every process on the
     machine chooses the same whatever its thread count (a row's bits depend on the rule): bf16 unpadded from
-    `probe`'s floor where the CPU has native bf16 and the probe passes; else MKL padded (`padded_probe`) where
-    its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's fp32 linears (`onednn_probe`) where MKL pads more or
+    `probe`'s floor where the CPU has native bf16 and the probe passes (on the first of BF16_KERNELS that
+    does); else MKL padded (`padded_probe`) where its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's fp32 linears (`onednn_probe`) where MKL pads more or
     is not invariant; None where no kernels are invariant. Chosen by the probes' answers, not by timing them,
     so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
-        floor = _on_threads(1, lambda: probe(cfg, dtype))
-        if floor is not None:
-            return RowRule(None, floor)
+        for kernel in BF16_KERNELS if torch.backends.mkldnn.is_available() else ("mkl",):
+            floor = _on_threads(1, functools.partial(probe, cfg, dtype, kernel=kernel))
+            if floor is not None:
+                return RowRule(None, floor, linear=kernel)
     fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)
     if fast is None or (padded is not None and padded.unit is not None and padded.unit <= MKL_UNIT_BEFORE_ONEDNN):
         return padded
@@ -436,7 +443,7 @@ def _is_rule(value: object) -> bool:
         return False
     unit, floor, threads, linear, tile = (value[k] for k in ("unit", "floor", "threads", "linear", "tile_unit"))
     return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
-            and (threads is None or (type(threads) is int and threads >= 1)) and linear in LINEAR_KERNELS
+            and (threads is None or (type(threads) is int and threads >= 1)) and linear in KERNELS
             and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))
 
 
@@ -471,7 +478,7 @@ def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:
     """The fewest rows bf16's own kernels run a micro-batch of this model on unpadded here (`probe`'s floor,
     where the CPU has native bf16), or None: bf16 pads or is refused, and other dtypes are not asked."""
     rule = servable_rule(cfg, dtype) if dtype == torch.bfloat16 else None
-    return rule.floor if rule is not None and not rule.padded and rule.linear == "mkl" else None
+    return rule.floor if rule is not None and not rule.padded else None
 
 
 def unpadded_invariant(cfg: ModelConfig, dtype: torch.dtype) -> bool:

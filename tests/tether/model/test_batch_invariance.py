@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tether.model.config import even_split
 from tether.model import numerics
 from tether.model.config import ModelConfig
-from tether.model.invariant import RowRule, padded_rows
+from tether.model.invariant import padded_rows
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 from tests.helpers import run_chunks
@@ -45,7 +45,10 @@ def test_auto_runs_unpadded_bfloat16_exactly_where_the_probe_passed(folder):
     native = not numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags())
     assert (m.dtype == torch.bfloat16) == (native and numerics.unpadded_invariant(m.cfg, torch.bfloat16))
     floor = numerics.unpadded_floor(m.cfg, m.dtype)
-    assert m.rows == (numerics.row_rule(m.cfg, m.dtype) if floor is None else RowRule(None, floor))
+    assert m.rows == numerics.row_rule(m.cfg, m.dtype)
+    if floor is not None:
+        assert (m.rows.unit, m.rows.floor, m.rows.tile_unit) == (None, floor, None)
+        assert m.rows.linear in numerics.BF16_KERNELS
     assert not (m.rows.padded and m.dtype == torch.bfloat16)   # auto never picks a padded bf16
 
 

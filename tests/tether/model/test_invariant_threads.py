@@ -10,7 +10,7 @@ import torch
 
 from tether.model import numerics
 from tether.model.config import ModelConfig
-from tether.model.invariant import GATE_KERNELS, LINEAR_KERNELS, RowRule, invariant_threads, pad_rows, padded_rows, threads_for
+from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows, threads_for
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 
@@ -56,7 +56,8 @@ def _linear_rows(x: torch.Tensor, w: torch.Tensor, rule: RowRule) -> torch.Tenso
     """x's rows through F.linear the way an invariant forward runs them: threads and padding by the rule."""
     rows = x.shape[0]
     with invariant_threads(rows, rule):
-        return LINEAR_KERNELS[rule.linear](pad_rows(x, padded_rows(rows, rule)), w)[:rows]
+        kernel = KERNELS[rule.linear]
+        return kernel.linear(pad_rows(x, padded_rows(rows, rule)), kernel.prepare(w), None)[:rows]
 
 
 @pytest.mark.parametrize("model,inner,outer", [(m, i, o) for m, shapes in SHAPES.items() for i, o in shapes])
@@ -70,12 +71,14 @@ def test_a_linear_row_has_the_same_bits_at_every_row_count(threads, model, inner
         assert torch.equal(_linear_rows(x[:rows], w, rule), want[:rows]), f"{rows} rows at {threads} threads ({rule})"
 
 
-def _alone(row: torch.Tensor, w: torch.Tensor, rule: RowRule, kernels=LINEAR_KERNELS) -> torch.Tensor:
+def _alone(row: torch.Tensor, w: torch.Tensor, rule: RowRule, gate: bool = False) -> torch.Tensor:
     """One row alone on 1 thread (padded to one unit): the bits every batch must reproduce."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return kernels[rule.linear](pad_rows(row, padded_rows(1, rule, 1)), w)[:1]
+        kernel = KERNELS[rule.linear]
+        run = kernel.gate if gate else kernel.linear
+        return run(pad_rows(row, padded_rows(1, rule, 1)), kernel.prepare(w), None)[:1]
     finally:
         torch.set_num_threads(before)
 
@@ -87,15 +90,16 @@ GATE_ROWS = [*ROWS, 83, 99, 127, 128, 129, 160]
 
 @pytest.mark.parametrize("model,inner,outer", [(m, i, o) for m, shapes in SHAPES.items() for i, o in shapes[2:3]])
 def test_a_gate_row_with_its_silu_has_the_same_bits_at_every_row_count(threads, model, inner, outer):
-    """The MLP's gate projection and its SiLU (`GATE_KERNELS`, fused into oneDNN's matmul or not)."""
+    """The MLP's gate projection and its SiLU (`Kernel.gate`, fused into oneDNN's matmul or not)."""
     rule = _rule(model)
     g = torch.Generator().manual_seed(inner + outer)
     w = torch.randn(outer, inner, generator=g) / inner ** 0.5
     x = torch.randn(max(GATE_ROWS), inner, generator=g) * 3
-    want = torch.cat([_alone(x[i:i + 1], w, rule, GATE_KERNELS) for i in range(len(x))])
+    want = torch.cat([_alone(x[i:i + 1], w, rule, gate=True) for i in range(len(x))])
     for rows in GATE_ROWS:
         with invariant_threads(rows, rule):
-            got = GATE_KERNELS[rule.linear](pad_rows(x[:rows], padded_rows(rows, rule)), w)[:rows]
+            kernel = KERNELS[rule.linear]
+            got = kernel.gate(pad_rows(x[:rows], padded_rows(rows, rule)), kernel.prepare(w), None)[:rows]
         assert torch.equal(got, want[:rows]), f"{rows} rows at {threads} threads ({rule})"
 
 
