@@ -175,6 +175,35 @@ def test_sample_rows_gives_the_tokens_of_sample_row_by_row(rows, vocab, ties):
     assert sampler.sample_rows(logits, params, positions) == want
 
 
+@FAST
+@given(rows=st.lists(st.tuples(ROW_PARAMS, st.integers(0, 2**31), st.sampled_from([0.1, 3.0, 30.0])),
+                     min_size=1, max_size=6),
+       vocab=st.sampled_from([2, V, 1000, 5000]), ties=st.booleans())
+def test_filtered_rows_are_filtered_probs_bit_for_bit(rows, vocab, ties):
+    """The batched filter (top-k from one topk, top-p sorting only the largest entries) gives every row the
+    very float64 probabilities of `filtered_probs` on that row alone: ties, a nucleus past the first 64
+    candidates, top-k and top-p together."""
+    rows = [r for r in rows if r[0].temperature > 0] or [(sampling_params(temperature=1.0, top_p=0.999), 1, 30.0)]
+    logits = torch.stack([logits_row(seed, scale, vocab) for _, seed, scale in rows])
+    if ties:
+        logits = logits.round()
+    params = [p for p, _, _ in rows]
+    got = sampler.filtered_rows(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], sampler.filtered_probs(logits[i], p)), (p, vocab, ties)
+
+
+def test_a_flat_nucleus_reaches_past_the_first_candidates_and_matches_the_whole_sort():
+    """Near-uniform logits: top-p 0.9 keeps ~90% of 49,152 entries, far past NUCLEUS_FIRST."""
+    g = torch.Generator().manual_seed(11)
+    row = torch.randn(49152, generator=g) * 0.01
+    for top_p in (0.2, 0.9, 0.999):
+        p = sampling_params(temperature=1.0, top_p=top_p)
+        want = sampler.filtered_probs(row, p)
+        assert int((want > 0).sum()) > 8 * sampler.NUCLEUS_FIRST
+        assert torch.equal(sampler.filtered_rows(row[None], [p])[0], want)
+
+
 def test_sample_rows_on_the_real_vocabulary():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 49152, generator=g) * 6
