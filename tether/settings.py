@@ -97,6 +97,11 @@ DTYPE = "auto"
 # neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of
 # tether/model/plain.py are a benchmark baseline only).
 ATTENTION_BLOCK = 64           # positions per paged-KV block, and per attention tile and key block
+# What a byte of the LM head's weight costs the last stage against a byte of a decoder layer's (`--layers
+# I/N` splits a model so that its slowest stage is fastest: tether/model/config.py balanced_split). smollm2
+# bf16, 1 thread, AMD EPYC: the head took 3.0-4.0 layers' time at 1-8 rows for 8.0 layers' bytes, and
+# sampling 4 rows another 2.7: 30 layers split 17 + 13, not 15 + 15.
+HEAD_COST_PER_LAYER_BYTE = 0.5
 
 # gRPC message size per service: each server accepts what its own contract needs, no more. Stages carry
 # activation frames; the coordinator takes token ids (MAX_PROMPT_TOKENS x <= 5 bytes) and small control

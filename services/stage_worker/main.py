@@ -12,7 +12,7 @@ from services.stage_worker.server import StageServicer
 from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
-from tether.model.config import ModelConfig, parse_layers
+from tether.model.config import ModelConfig, head_cost, parse_layers
 from tether.model import dtypes, numerics
 from tether.model.loader import checked_fingerprint, load_slice, resolve_model
 from tether.security import authz
@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (the real default model), a random-weight preset (tiny, small, base) or a Hugging Face "
                         "folder (default: %(default)s)")
     p.add_argument("--layers", default=":",
-                   help="layers to hold: START:END (END exclusive) or I/N for slice I of an even split into N "
-                        "(default: all)")
+                   help="layers to hold: START:END (END exclusive) or I/N for slice I of N, split so that the "
+                        "slowest stage is fastest (the last also runs the LM head and sampling) (default: all)")
     p.add_argument("--dtype", default=settings.DTYPE, choices=dtypes.CHOICES,
                    help="compute dtype; auto: bfloat16 where this CPU runs it natively and invariantly, else "
                         "float32 (default: %(default)s)")
@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)   # process-wide, before the slice loads
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_folder(folder)
-    start, end = parse_layers(args.layers, cfg.num_hidden_layers)
+    start, end = parse_layers(args.layers, cfg.num_hidden_layers, head_cost(cfg))
     fingerprint = checked_fingerprint(folder)   # before loading: refuses a folder changed since tether made it
     model = load_slice(folder, start, end, args.dtype)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)

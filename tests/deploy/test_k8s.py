@@ -31,7 +31,7 @@ from services.coordinator import drain
 from tether import grpcutil, settings
 from tether.cli.cluster import default_metrics_ports, service_commands
 from tether.cli.main import SERVICE_MODULES
-from tether.model.config import parse_layers
+from tether.model.config import head_cost, parse_layers
 from tether.model.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,7 +330,7 @@ def test_stage_i_holds_slice_i_and_the_slices_cover_the_model(docs):
     for i in range(n):
         layers = _flags(_argv(docs, STAGE, i)[1:])["--layers"]
         assert layers == f"{i}/{n}", "slice = the pod's ordinal, of N = replicas"
-        ranges.append(parse_layers(layers, num_layers))
+        ranges.append(parse_layers(layers, num_layers, head_cost(PRESETS[model])))
     assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tether import settings
+
 
 @dataclass(frozen=True)
 class Family:
@@ -117,14 +119,41 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
-    """'START:END' (END exclusive; either side may be empty) or 'I/N' (slice I of an even split into N)."""
+def head_cost(cfg: ModelConfig) -> float:
+    """What the last stage's LM head and sampling cost, in decoder layers: the head's weight bytes over a
+    layer's, times settings.HEAD_COST_PER_LAYER_BYTE (the head's one long product reads its bytes faster than
+    a layer's seven short ones and its attention). smollm2: 8.0 layers of bytes, 4.0 of time."""
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    layer = attention + 3 * cfg.hidden_size * cfg.intermediate_size
+    return settings.HEAD_COST_PER_LAYER_BYTE * cfg.vocab_size * cfg.hidden_size / layer
+
+
+def balanced_split(num_layers: int, stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Layer ranges of `stages` contiguous slices whose slowest stage is as fast as it can be, the last one
+    also carrying `head_layers` of work (`head_cost`): the last stage takes k layers, the others an even split
+    of the rest, k chosen for the smallest slowest stage, then the smallest spread, then the smallest k. With
+    no head cost it is `even_split`. Under load a pipeline runs at its slowest stage's pace."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    if stages == 1:
+        return [(0, num_layers)]
+
+    def costs(k: int) -> list[float]:
+        return [float(e - s) for s, e in even_split(num_layers - k, stages - 1)] + [k + head_layers]
+
+    k = min(range(1, num_layers - stages + 2), key=lambda k: (max(costs(k)), max(costs(k)) - min(costs(k)), k))
+    return even_split(num_layers - k, stages - 1) + [(num_layers - k, num_layers)]
+
+
+def parse_layers(spec: str, num_layers: int, head_layers: float = 0.0) -> tuple[int, int]:
+    """'START:END' (END exclusive; either side may be empty) or 'I/N' (slice I of the balanced split into N,
+    `balanced_split` with the head's cost)."""
     try:
         if "/" in spec:
             i, n = (int(x) for x in spec.split("/"))
             if not 0 <= i < n:
                 raise ValueError
-            return even_split(num_layers, n)[i]
+            return balanced_split(num_layers, n, head_layers)[i]
         a, b = spec.split(":")
         start, end = int(a or 0), int(b or num_layers)
     except ValueError:

@@ -5,6 +5,8 @@ Everything runs on the generated `tiny` preset (4 layers), in float32 on the CPU
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import re
 import shutil
@@ -16,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from tether.kv.paged import PagedKV
 from tether.model import loader
-from tether.model.config import ModelConfig, even_split, parse_layers
+from tether.model.config import ModelConfig, balanced_split, even_split, head_cost, parse_layers
 from tether.model.llama import ModelSlice, SlotRows
 from tether.model.loader import load_slice, model_fingerprint, resolve_model
 from tether.model.plain import KVCache, PlainSlice
@@ -333,6 +335,39 @@ def test_even_split(layers, stages, want):
 def test_even_split_refuses_impossible_splits(layers, stages):
     with pytest.raises(ValueError, match=f"cannot split {layers} layers into {stages} stages"):
         even_split(layers, stages)
+
+
+def test_balanced_split_without_a_head_is_the_even_split():
+    for layers in range(1, 41):
+        for stages in range(1, layers + 1):
+            assert balanced_split(layers, stages) == even_split(layers, stages), (layers, stages)
+
+
+def _slowest(ranges: list[tuple[int, int]], head: float) -> float:
+    return max([float(e - s) for s, e in ranges[:-1]] + [ranges[-1][1] - ranges[-1][0] + head])
+
+
+@pytest.mark.parametrize("head", [0.0, 0.6, 1.5, 4.0, 9.0])
+def test_balanced_split_makes_the_slowest_stage_as_fast_as_any_contiguous_split_can(head):
+    """Against every contiguous split (each stage at least one layer) of up to 10 layers into up to 4 stages."""
+    for layers in range(1, 11):
+        for stages in range(1, min(layers, 4) + 1):
+            got = balanced_split(layers, stages, head)
+            assert got[0][0] == 0 and got[-1][1] == layers and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+            assert all(e > s for s, e in got)
+            best = min(_slowest(list(zip((0, *cuts), (*cuts, layers))), head)
+                       for cuts in itertools.combinations(range(1, layers), stages - 1))
+            assert _slowest(got, head) == best, (layers, stages, head, got)
+
+
+def test_the_default_model_gives_its_last_stage_fewer_layers_for_the_head():
+    smollm2 = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+                                  vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    assert head_cost(smollm2) == pytest.approx(4.0)
+    assert balanced_split(30, 2, head_cost(smollm2)) == [(0, 17), (17, 30)]
+    assert parse_layers("1/2", 30, head_cost(smollm2)) == (17, 30)
+    assert head_cost(PRESETS["tiny"]) < 0.5   # a 272-token vocabulary: the even split
+    assert balanced_split(4, 2, head_cost(PRESETS["tiny"])) == even_split(4, 2)
 
 
 @pytest.mark.parametrize("spec,want", [
