@@ -141,7 +141,15 @@ def main() -> None:
                    "the probe lets the dtype run unpadded (bf16 before its floor was found: the cost of padding)")
     p.add_argument("--breakdown", action="store_true", help="only a batch-1 decode step's pieces, as shares of "
                    "the plain step")
+    p.add_argument("--plain-linears", choices=("torch", "rule"), default="torch",
+                   help="the plain side's linears: torch's own F.linear, or the invariant rule's kernel (oneDNN "
+                        "packed for bf16 on a CPU that has it) without its rows floor: the cost of invariance "
+                        "alone (default: %(default)s)")
     args = p.parse_args()
+
+    def plain_of(folder) -> PlainSlice:
+        model = load_slice(folder, dtype=args.dtype)
+        return PlainSlice(model, model.rows.linear if args.plain_linears == "rule" else "mkl")
 
     def invariant(folder) -> ModelSlice:
         inv = load_slice(folder, dtype=args.dtype)
@@ -156,20 +164,20 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.breakdown:
         for name in args.model or ["tiny", "small"]:
-            plain, inv = PlainSlice(load_slice(resolve_model(name), dtype=args.dtype)), invariant(resolve_model(name))
+            plain, inv = plain_of(resolve_model(name)), invariant(resolve_model(name))
             for piece, share in breakdown(plain, inv, args.context, args.repeats).items():
                 print(f"{name:6s} {piece:32s} {share:.2f}× the plain step")
         return
     batches = [int(b) for b in args.batches.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, --dtype {args.dtype}, invariant kernels "
-          f"{'padded (--padded)' if args.padded else 'as served'}; ratio = invariant / plain throughput "
+          f"{'padded (--padded)' if args.padded else 'as served'}, plain linears {args.plain_linears}; ratio = invariant / plain throughput "
           f"(median of {args.repeats} interleaved repeats)\n")
     print("| model | batch | decode tok/s plain | decode ratio | mixed-context decode ratio "
           "| prefill tok/s plain | prefill ratio |")
     print("|---|---|---|---|---|---|---|")
     for name in args.model or ["tiny", "small"]:
         folder = resolve_model(name)
-        plain, inv = PlainSlice(load_slice(folder, dtype=args.dtype)), invariant(folder)
+        plain, inv = plain_of(folder), invariant(folder)
         print(f"<!-- {name}: {inv.dtype}, {inv.rows} -->")
         for b in batches:
             mixed = torch.randint(16, 4 * args.context, (b,), generator=torch.Generator().manual_seed(b)).tolist()

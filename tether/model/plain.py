@@ -98,9 +98,9 @@ class PlainSlice:
     """A ModelSlice's weights run by the plain kernels: no row padding, torch's own threads, KVCache and
     PerSlotAttention instead of the paged arena and the tiles."""
 
-    def __init__(self, model: ModelSlice) -> None:
+    def __init__(self, model: ModelSlice, kernel: str = "mkl") -> None:
         self.model = model
-        model.use_linear_kernel("mkl")   # torch's own F.linear
+        model.use_linear_kernel(kernel)   # torch's own F.linear by default (invariant.KERNELS)
         self.cfg = model.cfg
         self.num_layers = model.num_layers
         self.dtype = model.dtype
