@@ -55,10 +55,21 @@ class RowRule:
     # invariant so but the tiles' batched matmuls are not, the unit their heights pad to (None: as the batch).
     linear: str = "mkl"
     tile_unit: int | None = None
+    # (in_features, out_features, rows): linears of that shape that run on at least that many rows, above
+    # `floor` (each pads its own input): on an AMD EPYC with avx512_bf16 only smollm2's down_proj (K = 1536)
+    # gives a 1-row product other bits, so a decode step runs on 1 row and that one product on 2.
+    linear_floors: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:   # a rule read back from JSON has lists: one spelling, one str()
+        object.__setattr__(self, "linear_floors", tuple(sorted(tuple(f) for f in self.linear_floors)))
 
     @property
     def padded(self) -> bool:
         return self.unit is not None
+
+    def linear_floor(self, inner: int, outer: int) -> int:
+        """The fewest rows a linear of this shape runs on (1: as many as the micro-batch has)."""
+        return next((rows for i, o, rows in self.linear_floors if (i, o) == (inner, outer)), 1)
 
     def tiles(self) -> RowRule:
         """How attention tile heights pad (an unpadded rule's floor is for GEMM rows, not tiles)."""
@@ -78,6 +89,8 @@ class RowRule:
             rows += f", {self.linear} linears"
         if self.tile_unit is not None:
             rows += f", tiles padded to {self.tile_unit} rows per thread"
+        for i, o, n in self.linear_floors:
+            rows += f", {i}->{o} products on at least {n} rows"
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
 
 

@@ -47,6 +47,7 @@ class Linear(nn.Linear):
     weight changes (a load, a kernel switch)."""
 
     kernel = "mkl"
+    floor = 1   # the fewest rows its product runs on (RowRule.linear_floors): fewer are padded with zeros
     _prepared: tuple[tuple[str, int, int], torch.Tensor] | None = None
 
     def prepared_weight(self) -> torch.Tensor:
@@ -57,10 +58,16 @@ class Linear(nn.Linear):
         return self._prepared[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < self.floor:
+            return KERNELS[self.kernel].linear(pad_rows(x, self.floor), self.prepared_weight(), self.bias)[:rows]
         return KERNELS[self.kernel].linear(x, self.prepared_weight(), self.bias)
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """silu(self(x)) as the kernel computes it (fused into oneDNN's matmul, or not)."""
+        rows = x.shape[0]
+        if rows < self.floor:
+            return KERNELS[self.kernel].gate(pad_rows(x, self.floor), self.prepared_weight(), self.bias)[:rows]
         return KERNELS[self.kernel].gate(x, self.prepared_weight(), self.bias)
 
 
@@ -176,13 +183,15 @@ class ModelSlice(nn.Module):
         self.scratch = Scratch()                # attention's buffers, reused step to step (one step at a time)
         self.to(dtype)
         self.requires_grad_(False)
-        self.use_linear_kernel(self.rows.linear)
+        self.use_linear_kernel(self.rows.linear, self.rows)
 
-    def use_linear_kernel(self, kernel: str) -> None:
-        """Run every linear on `kernel` (the rule's; the plain baseline sets torch's own, "mkl")."""
+    def use_linear_kernel(self, kernel: str, rule: RowRule | None = None) -> None:
+        """Run every linear on `kernel` (the rule's; the plain baseline sets torch's own, "mkl"), each on at
+        least the rows `rule` gives its shape (none: on its own rows)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.kernel = kernel
+                m.floor = rule.linear_floor(m.in_features, m.out_features) if rule is not None else 1
 
     @property
     def num_layers(self) -> int:

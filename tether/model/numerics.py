@@ -179,14 +179,27 @@ def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int,
     return failing
 
 
+Floors = tuple[int, tuple[tuple[int, int, int], ...]]
+
+
 def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
           kernel: str = "mkl", attention: bool = True) -> int | None:
+    """`probe_floors` as one floor: the fewest rows from which every op class, each linear included, gives
+    the same row bits (None where the dtype must be padded like fp32)."""
+    floors = probe_floors(cfg, dtype, block, kernel, attention)
+    return None if floors is None else max([floors[0], *(n for _, _, n in floors[1])])
+
+
+def probe_floors(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
+                 kernel: str = "mkl", attention: bool = True) -> Floors | None:
     """Every op class of the model's forward, on its own shapes and random values, unpadded: each linear
     (attention projections, MLP, LM head), RMSNorm, RoPE, SiLU-and-mul and the attention pieces, on 1 or all
-    threads. Returns the floor (`floor_of`) from which every row count gives the same row bits, 1 where all
-    do; None where the dtype must be padded like fp32. `kernel`: the linears' (invariant.KERNELS: "mkl" is
-    F.linear), on weights it prepares, whose gate projection is checked with its SiLU; without `attention` the tiles
-    are not checked (the caller pads them)."""
+    threads. Returns the floor (`floor_of`) from which every op but the linears gives the same row bits (1
+    where all do) and each linear shape whose own floor is higher, as (in, out, rows): a micro-batch runs on at
+    least the first, such a product on at least its own (RowRule.linear_floors). None where the dtype must be
+    padded like fp32. `kernel`: the linears' (invariant.KERNELS: "mkl" is F.linear), on weights it prepares,
+    whose gate projection is checked with its SiLU; without `attention` the tiles are not checked (the caller
+    pads them)."""
     from tether.model.llama import RMSNorm   # the serving code's own op (llama imports us)
 
     before = torch.get_num_threads()
@@ -213,20 +226,23 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
     def gate(x: torch.Tensor) -> torch.Tensor:   # the gate projection and its SiLU, as the slice computes them
         return run.gate(x, gate_w, None)
 
-    checks: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
-        (linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
+    # each check keyed by the linear shape whose floor it sets (None: the micro-batch's own floor)
+    gate_shape = (h, cfg.intermediate_size)
+    checks: list[tuple[tuple[int, int] | None, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
+        ((i, o), linear(rand(o, i)), rand(rows, i)) for i, o in sorted(linears)]
     checks += [
-        (norm, rand(rows, h) * 20),
-        (rope, torch.cat([rand(rows, cfg.num_attention_heads, d), cos, sin], 1)),
-        (gate, rand(rows, h)),
+        (None, norm, rand(rows, h) * 20),
+        (None, rope, torch.cat([rand(rows, cfg.num_attention_heads, d), cos, sin], 1)),
+        (gate_shape, gate, rand(rows, h)),
     ]
     try:
         with torch.inference_mode():
-            failing: set[int] = set()
-            for op, x in checks:
+            failing: dict[tuple[int, int] | None, set[int]] = {None: set()}
+            for key, op, x in checks:
                 torch.set_num_threads(1)
-                failing |= _failing_rows(op, x, threads)
-                if floor_of(failing) is None:
+                found = failing.setdefault(key, set())
+                found |= _failing_rows(op, x, threads)
+                if floor_of(found) is None:
                     return None
             if kernel == "mkl" and not _silu_holds(cfg, dtype, range(1, SILU_ROWS + 1), threads):
                 return None
@@ -240,10 +256,20 @@ def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
                     if _window_differs(op, x, whole, LONG_WINDOWS):
                         return None
             torch.set_num_threads(1)
-            if not attention:   # the caller pads tile heights and checks them (`_tiles_hold`)
-                return floor_of(failing)
-            # tile heights are never floored (tiles.py pads them only where the micro-batch pads)
-            return None if _attention_failing(cfg, dtype, threads, block) else floor_of(failing)
+            # tile heights are never floored (tiles.py pads them only where the micro-batch pads); without
+            # `attention` the caller pads tile heights and checks them (`_tiles_hold`)
+            if attention and _attention_failing(cfg, dtype, threads, block):
+                return None
+            base = floor_of(failing.pop(None))
+            own: dict[tuple[int, int], int] = {}
+            for key, found in failing.items():
+                n = floor_of(found)
+                assert key is not None and n is not None   # every set was checked above
+                own[key] = n
+            assert base is not None
+            # where every linear needs more rows than the rest, the micro-batch runs on them (one pad, not seven)
+            base = max(base, min(own.values()))
+            return base, tuple(sorted((i, o, n) for (i, o), n in own.items() if n > base))
     finally:
         torch.set_num_threads(before)
 
@@ -367,11 +393,12 @@ def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     only at 1: a decode step alone runs as 2 rows, not 16. None where oneDNN is absent or not invariant."""
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
-    floor = _on_threads(1, lambda: probe(cfg, dtype, kernel="onednn", attention=False))
-    if floor is None:
+    floors = _on_threads(1, lambda: probe_floors(cfg, dtype, kernel="onednn", attention=False))
+    if floors is None:
         return None
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
-    return None if unit is None else RowRule(None, floor, linear="onednn", tile_unit=unit)
+    return None if unit is None else RowRule(None, floors[0], linear="onednn", tile_unit=unit,
+                                             linear_floors=floors[1])
 
 
 def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
@@ -393,9 +420,9 @@ def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
         for kernel in BF16_KERNELS if torch.backends.mkldnn.is_available() else ("mkl",):
-            floor = _on_threads(1, functools.partial(probe, cfg, dtype, kernel=kernel))
-            if floor is not None:
-                return RowRule(None, floor, linear=kernel)
+            floors = _on_threads(1, functools.partial(probe_floors, cfg, dtype, kernel=kernel))
+            if floors is not None:
+                return RowRule(None, floors[0], linear=kernel, linear_floors=floors[1])
     fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)
     if fast is None or (padded is not None and padded.unit is not None and padded.unit <= MKL_UNIT_BEFORE_ONEDNN):
         return padded
@@ -406,8 +433,10 @@ def holds_on(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule, threads: int) 
     """Whether `rule`'s kernels give the 1-thread bits on `threads` threads too, on every op class it checks."""
     if rule.unit is not None:
         return _padded_checks(cfg, dtype, rule.unit, threads)
-    floor = _on_threads(threads, lambda: probe(cfg, dtype, kernel=rule.linear, attention=rule.tile_unit is None))
-    if floor is None or floor > rule.floor:
+    floors = _on_threads(threads, lambda: probe_floors(cfg, dtype, kernel=rule.linear,
+                                                       attention=rule.tile_unit is None))
+    if floors is None or floors[0] > rule.floor or any(n > max(rule.floor, rule.linear_floor(i, o))
+                                                       for i, o, n in floors[1]):
         return False
     return rule.tile_unit is None or _padded_checks(cfg, dtype, rule.tile_unit, threads, _tiles_hold)
 
@@ -442,6 +471,11 @@ def _is_rule(value: object) -> bool:
     if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(RowRule)}:
         return False
     unit, floor, threads, linear, tile = (value[k] for k in ("unit", "floor", "threads", "linear", "tile_unit"))
+    floors = value["linear_floors"]
+    if not isinstance(floors, (list, tuple)) or not all(
+            isinstance(f, (list, tuple)) and len(f) == 3 and all(type(n) is int and n >= 1 for n in f) and f[2] <= MAX_FLOOR
+            for f in floors):
+        return False
     return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
             and (threads is None or (type(threads) is int and threads >= 1)) and linear in KERNELS
             and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))

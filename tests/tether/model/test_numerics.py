@@ -92,7 +92,7 @@ def test_the_floor_pads_past_every_failing_row_count_but_no_further_than_max_flo
 def test_auto_is_probed_once_per_process(monkeypatch):
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
     calls = []
-    monkeypatch.setattr(numerics, "probe", lambda c, dtype, **kw: calls.append(c) or 1)
+    monkeypatch.setattr(numerics, "probe_floors", lambda c, dtype, **kw: calls.append(c) or (1, ()))
     monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")   # this process's own probing (the disk: test_probe_cache)
     numerics._found.cache_clear()
@@ -202,27 +202,33 @@ def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
     what the unpadded probe returns with that kernel and its tile unit passes the tiles' check."""
     cfg = ModelConfig.from_folder(resolve_model("small"))
     rule = numerics.onednn_probe(cfg, torch.float32)
-    floor = numerics._on_threads(1, lambda: numerics.probe(cfg, torch.float32, kernel="onednn", attention=False))
+    floors = numerics._on_threads(1, lambda: numerics.probe_floors(cfg, torch.float32, kernel="onednn",
+                                                                   attention=False))
     if rule is None:
-        assert floor is None or not any(
+        assert floors is None or not any(
             numerics._padded_checks(cfg, torch.float32, u, 1, numerics._tiles_hold) for u in numerics.UNITS)
         return
     assert rule.linear == "onednn" and not rule.padded and rule.tile_unit in numerics.UNITS
-    assert rule.floor == floor
+    assert floors is not None and (rule.floor, rule.linear_floors) == floors
     assert numerics._padded_checks(cfg, torch.float32, rule.tile_unit, 1, numerics._tiles_hold)
     assert rule.tiles() == RowRule(rule.tile_unit, threads=rule.threads)
 
 
 @pytest.mark.parametrize("value, ok", [
     (None, True),
-    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None}, True),
-    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4}, True),
-    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None}, False),
-    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None}, False),
-    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True}, False),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, True),
+    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4, "linear_floors": [[1536, 576, 2]]}, True),
+    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
+    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
+    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None, "linear_floors": []}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True, "linear_floors": []}, False),
     ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl"}, False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576, 9]]},
+     False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576]]},
+     False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": "2"}, False),
     ([16, None], False), ("16", False),
 ])
 def test_a_rule_on_disk_is_checked_before_it_is_used(value, ok):

@@ -90,9 +90,10 @@ def random_neighbours(model, rng: random.Random) -> tuple[list[SlotRows], list[i
 
 
 def test_bfloat16_unpadded_decode_rows_do_not_change_a_bit_among_random_neighbours(folder, ids):
-    """bf16 runs unpadded where the probe passed (its floor: 2 rows here). Each of 24 greedy decode steps runs
+    """bf16 runs unpadded where the probe passed (here: 1 row, down_proj's K = 1536 product on 2). Each of 24
+    greedy decode steps runs
     first among random neighbours, then alone (whose keys stay): the row's hidden state and logits agree
-    bitwise. With a 1-row floor (what the first probe allowed) 6 of these 24 steps differed here."""
+    bitwise. With every product on 1 row (what the first probe allowed) 6 of these 24 steps differed here."""
     if numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags()):
         pytest.skip("no native bf16 here: bf16 would run padded (and slowly)")
     before = torch.get_num_threads()
