@@ -86,6 +86,18 @@ def test_an_environment_read_at_import_is_never_forked(server):
 
 def test_spawn_forks_only_when_on_and_compatible(monkeypatch, tmp_path):
     monkeypatch.setenv("TETHER_FORK_SERVER", "1")
+    # this test's own shared servers: one an earlier test of this worker started (a cluster's, with
+    # OMP_WAIT_POLICY set) would make this env incompatible, and the forks plain subprocesses
+    servers: dict = {}
+    monkeypatch.setattr(forkserver, "_shared", servers)
+    try:
+        _spawn_forks_only_when_on_and_compatible(monkeypatch, tmp_path)
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+def _spawn_forks_only_when_on_and_compatible(monkeypatch, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "a.log", "ab") as out:
         forked = forkserver.spawn([*STAGE, "--help"], REPO, env, out)
