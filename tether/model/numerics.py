@@ -393,12 +393,21 @@ def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     only at 1: a decode step alone runs as 2 rows, not 16. None where oneDNN is absent or not invariant."""
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
-    floors = _on_threads(1, lambda: probe_floors(cfg, dtype, kernel="onednn", attention=False))
+    floors = _on_threads(1, lambda: _floors_if_runs(cfg, dtype, kernel="onednn", attention=False))
     if floors is None:
         return None
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
     return None if unit is None else RowRule(None, floors[0], linear="onednn", tile_unit=unit,
                                              linear_floors=floors[1])
+
+
+def _floors_if_runs(cfg: ModelConfig, dtype: torch.dtype, kernel: str, attention: bool = True) -> Floors | None:
+    """`probe_floors`, or None where the kernel does not run here at all (a oneDNN build that cannot pack
+    this dtype's weights raises): a kernel that cannot run is not invariant, and another is tried."""
+    try:
+        return probe_floors(cfg, dtype, kernel=kernel, attention=attention)
+    except RuntimeError:
+        return None
 
 
 def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
@@ -420,7 +429,7 @@ def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
         for kernel in BF16_KERNELS if torch.backends.mkldnn.is_available() else ("mkl",):
-            floors = _on_threads(1, functools.partial(probe_floors, cfg, dtype, kernel=kernel))
+            floors = _on_threads(1, functools.partial(_floors_if_runs, cfg, dtype, kernel=kernel))
             if floors is not None:
                 return RowRule(None, floors[0], linear=kernel, linear_floors=floors[1])
     fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)

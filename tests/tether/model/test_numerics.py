@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tether import settings
-from tether.model import numerics
+from tether.model import invariant, numerics
 from tether.model.config import ModelConfig
 from tether.model.invariant import RowRule
 from tether.model.loader import resolve_model
@@ -233,3 +233,18 @@ def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
 ])
 def test_a_rule_on_disk_is_checked_before_it_is_used(value, ok):
     assert numerics._is_rule(value) == ok
+
+
+def test_a_kernel_that_cannot_run_here_is_not_chosen(monkeypatch):
+    """A oneDNN build that cannot pack a dtype's weights raises: that kernel is skipped (bf16 tries F.linear
+    next, fp32 keeps MKL), not the stage's start-up failed."""
+    def refuse(weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no packed layout for this dtype here")
+    broken = dataclasses.replace(invariant.KERNELS["onednn"], prepare=refuse)
+    monkeypatch.setitem(invariant.KERNELS, "onednn", broken)
+    monkeypatch.setattr(numerics, "KERNELS", invariant.KERNELS)
+    monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    assert numerics.onednn_probe(cfg, torch.float32) is None
+    rule = numerics.choose_rule(cfg, torch.bfloat16)
+    assert rule is None or rule.linear == "mkl"
