@@ -99,8 +99,8 @@ DTYPE = "auto"
 ATTENTION_BLOCK = 64           # positions per paged-KV block, and per attention tile and key block
 # What a byte of the LM head's weight costs the last stage against a byte of a decoder layer's (`--layers
 # I/N` splits a model so that its slowest stage is fastest: tether/model/config.py balanced_split). smollm2
-# bf16, 1 thread, AMD EPYC: the head took 3.0-4.0 layers' time at 1-8 rows for 8.0 layers' bytes, and
-# sampling 4 rows another 2.7: 30 layers split 17 + 13, not 15 + 15.
+# bf16, 1 thread, AMD EPYC: the head took 3.0-4.0 layers' time at 1-8 rows for 8.0 layers' bytes (sampling 4
+# rows another 2.7, not counted): 30 layers split 17 + 13, not 15 + 15.
 HEAD_COST_PER_LAYER_BYTE = 0.5
 
 # gRPC message size per service: each server accepts what its own contract needs, no more. Stages carry

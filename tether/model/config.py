@@ -120,9 +120,10 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 def head_cost(cfg: ModelConfig) -> float:
-    """What the last stage's LM head and sampling cost, in decoder layers: the head's weight bytes over a
-    layer's, times settings.HEAD_COST_PER_LAYER_BYTE (the head's one long product reads its bytes faster than
-    a layer's seven short ones and its attention). smollm2: 8.0 layers of bytes, 4.0 of time."""
+    """What the last stage's LM head costs, in decoder layers: the head's weight bytes over a layer's, times
+    settings.HEAD_COST_PER_LAYER_BYTE (the head's one long product reads its bytes faster than a layer's seven
+    short ones and its attention). smollm2: 8.0 layers of bytes, 4.0 of time (sampling, not counted, adds
+    less at the batch sizes served)."""
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     layer = attention + 3 * cfg.hidden_size * cfg.intermediate_size
     return settings.HEAD_COST_PER_LAYER_BYTE * cfg.vocab_size * cfg.hidden_size / layer
@@ -138,10 +139,11 @@ def balanced_split(num_layers: int, stages: int, head_layers: float = 0.0) -> li
     if stages == 1:
         return [(0, num_layers)]
 
-    def costs(k: int) -> list[float]:
-        return [float(e - s) for s, e in even_split(num_layers - k, stages - 1)] + [k + head_layers]
+    def rank(k: int) -> tuple[float, float, int]:   # the slowest stage, then the spread, then k
+        costs = [float(e - s) for s, e in even_split(num_layers - k, stages - 1)] + [k + head_layers]
+        return max(costs), max(costs) - min(costs), k
 
-    k = min(range(1, num_layers - stages + 2), key=lambda k: (max(costs(k)), max(costs(k)) - min(costs(k)), k))
+    k = min(range(1, num_layers - stages + 2), key=rank)
     return even_split(num_layers - k, stages - 1) + [(num_layers - k, num_layers)]
 
 

@@ -18,8 +18,9 @@ finds at start-up (tether/model/numerics.py probes every op class on the model's
   not on T threads padded to 4*T (the same bits for half the rows at T = 2, and no threads to wake).
 - bf16 through oneDNN on a CPU with native bf16 (the EPYC's avx512_bf16) needed almost none of this: its GEMM
   rows had the same bits for every row count >= 2 and thread count, but a 1-row product over K = 1536
-  (smollm2's down_proj) gave ~10% of rows other bits: an unpadded rule with a floor (`RowRule(None, 2)`: a
-  decode step alone runs as 2 rows, every other batch on its own rows). On the Xeon (AMX) bf16 rows change
+  (smollm2's down_proj) gave ~10% of rows other bits: an unpadded rule whose down_proj pads its own product
+  to 2 rows (`RowRule.linear_floors`; every other op, and every batch of 2 rows or more, on its own rows).
+  On the Xeon (AMX) bf16 rows change
   with M up to 36, so there bf16 is padded too and `auto` picks fp32.
 
 Attention, the one op that mixes rows, is in tether/model/tiles.py.

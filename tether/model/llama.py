@@ -48,14 +48,18 @@ class Linear(nn.Linear):
 
     kernel = "mkl"
     floor = 1   # the fewest rows its product runs on (RowRule.linear_floors): fewer are padded with zeros
-    _prepared: tuple[tuple[str, int, int], torch.Tensor] | None = None
+    # (kernel, the weight it was made from, that weight's version, the prepared weight). Holding the weight
+    # itself, not its address, so that a weight replaced by another at a reused address is never mistaken
+    # for it; an inference tensor keeps no version (and cannot change outside inference mode).
+    _prepared: tuple[str, torch.Tensor, int, torch.Tensor] | None = None
 
     def prepared_weight(self) -> torch.Tensor:
-        w = self.weight   # an inference tensor keeps no version (and cannot change outside inference mode)
-        key = (self.kernel, w.data_ptr(), -1 if w.is_inference() else w._version)
-        if self._prepared is None or self._prepared[0] != key:
-            self._prepared = (key, KERNELS[self.kernel].prepare(w.detach()))
-        return self._prepared[1]
+        w = self.weight
+        version = -1 if w.is_inference() else w._version
+        p = self._prepared
+        if p is None or p[0] != self.kernel or p[1] is not w or p[2] != version:
+            p = self._prepared = (self.kernel, w, version, KERNELS[self.kernel].prepare(w.detach()))
+        return p[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

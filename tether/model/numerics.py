@@ -4,10 +4,10 @@ bfloat16 where the CPU computes it natively and a start-up probe on the model's 
 class row-count- and thread-invariant without padding, from some small floor of rows on; float32 padded
 otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
 row bits for every row count >= 2 and thread count, where fp32 MKL changes them at M = 2, 4, ...; but a 1-row
-product over K = 1536 (smollm2's down_proj) differs on ~10% of rows, so smollm2 in bf16 runs a micro-batch on
-at least 2 rows (`probe` returns that floor). On a CPU without native bf16 dot products bf16 was 4-14x slower
-than fp32. Machines differ, so the machine decides: `choose_dtype` is the pure rule, `cpu_flags` and `probe`
-its inputs, `resolve` the cached whole.
+product over K = 1536 (smollm2's down_proj) differs on ~10% of rows, so that product runs on at least 2 rows
+(`probe_floors` returns each linear shape's floor apart from the rest's). On a CPU without native bf16 dot
+products bf16 was 4-14x slower than fp32. Machines differ, so the machine decides: `choose_dtype` is the pure
+rule, `cpu_flags` and `probe_floors` its inputs, `resolve` the cached whole.
 
 How a dtype pads differs between machines too (MKL: 4 rows per thread on the EPYC, 16 on an Intel Xeon, where
 oneDNN's fp32 linears need no padding from 2 rows): `choose_rule` picks the kernels and rows on 1 thread, so
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,6 +38,8 @@ from tether.model.config import ModelConfig
 from tether.model.invariant import KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == NAMES
 # CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean native bf16 dot products.
@@ -44,9 +47,10 @@ BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # Row counts the probe compares against the rows of one larger batch: 1 and the small counts where fp32 MKL
 # changes paths, odd counts (vector tails), and counts past a 16-row kernel block. Few, to keep start-up cheap.
 PROBE_ROWS = (1, 2, 3, 4, 5, 8, 17, 48)
-# The most rows a micro-batch may be padded to where only the smallest row counts differ (`probe`'s floor):
-# bf16 oneDNN gives a 1-row product over K = 1536 (smollm2's down_proj) other bits than every M >= 2 for ~10%
-# of rows, so a decode step alone runs as 2 rows. A floor above this means the dtype pads like fp32.
+# The most rows a micro-batch, or one linear's product, may be padded to where only the smallest row counts
+# differ (`probe_floors`): bf16 oneDNN gives a 1-row product over K = 1536 (smollm2's down_proj) other bits
+# than every M >= 2 for ~10% of rows, so that product runs on 2 rows. A floor above this means the dtype pads
+# like fp32.
 MAX_FLOOR = 4
 # Unpadded, the linears (the LM head aside: it only ever sees a step's sampled rows) are also checked on one
 # long batch (a long prefill's micro-batch) against windows of LONG_WINDOWS rows: the 48 rows above missed
@@ -180,14 +184,6 @@ def _attention_failing(cfg: ModelConfig, dtype: torch.dtype, threads: tuple[int,
 
 
 Floors = tuple[int, tuple[tuple[int, int, int], ...]]
-
-
-def probe(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
-          kernel: str = "mkl", attention: bool = True) -> int | None:
-    """`probe_floors` as one floor: the fewest rows from which every op class, each linear included, gives
-    the same row bits (None where the dtype must be padded like fp32)."""
-    floors = probe_floors(cfg, dtype, block, kernel, attention)
-    return None if floors is None else max([floors[0], *(n for _, _, n in floors[1])])
 
 
 def probe_floors(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
@@ -406,7 +402,8 @@ def _floors_if_runs(cfg: ModelConfig, dtype: torch.dtype, kernel: str, attention
     this dtype's weights raises): a kernel that cannot run is not invariant, and another is tried."""
     try:
         return probe_floors(cfg, dtype, kernel=kernel, attention=attention)
-    except RuntimeError:
+    except RuntimeError as e:
+        log.warning("%s linears do not run here for %s (%s): not chosen", kernel, name_of(dtype), e)
         return None
 
 
@@ -423,9 +420,9 @@ def _on_threads(threads: int, run: Callable[[], Any]) -> Any:
 def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """The kernels and rows `dtype` runs this model on here, chosen on 1 thread, so that every process on the
     machine chooses the same whatever its thread count (a row's bits depend on the rule): bf16 unpadded from
-    `probe`'s floor where the CPU has native bf16 and the probe passes (on the first of BF16_KERNELS that
-    does); else MKL padded (`padded_probe`) where its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's fp32 linears (`onednn_probe`) where MKL pads more or
-    is not invariant; None where no kernels are invariant. Chosen by the probes' answers, not by timing them,
+    `probe_floors`' floors where the CPU has native bf16 and the probe passes (on the first of BF16_KERNELS
+    that does); else MKL padded (`padded_probe`) where its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's
+    fp32 linears (`onednn_probe`) where MKL pads more or is not invariant; None where no kernels are invariant. Chosen by the probes' answers, not by timing them,
     so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
         for kernel in BF16_KERNELS if torch.backends.mkldnn.is_available() else ("mkl",):
@@ -518,8 +515,9 @@ def row_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule:
 
 
 def unpadded_floor(cfg: ModelConfig, dtype: torch.dtype) -> int | None:
-    """The fewest rows bf16's own kernels run a micro-batch of this model on unpadded here (`probe`'s floor,
-    where the CPU has native bf16), or None: bf16 pads or is refused, and other dtypes are not asked."""
+    """The fewest rows bf16's own kernels run a micro-batch of this model on unpadded here (`probe_floors`'
+    first, where the CPU has native bf16; a linear may pad its own product further, RowRule.linear_floors), or
+    None: bf16 pads or is refused, and other dtypes are not asked."""
     rule = servable_rule(cfg, dtype) if dtype == torch.bfloat16 else None
     return rule.floor if rule is not None and not rule.padded else None
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tether.kv.paged import PagedKV
 from tether.model import loader
 from tether.model.config import ModelConfig, balanced_split, even_split, head_cost, parse_layers
-from tether.model.llama import ModelSlice, SlotRows
+from tether.model.llama import Linear, ModelSlice, SlotRows
 from tether.model.loader import load_slice, model_fingerprint, resolve_model
 from tether.model.plain import KVCache, PlainSlice
 from tether.model.presets import PRESETS, ensure_preset, generate_weights, preset_path
@@ -562,3 +562,21 @@ def test_preset_generation_is_deterministic(tmp_path, monkeypatch):
 def test_unknown_preset_is_refused():
     with pytest.raises(ValueError, match="unknown preset"):
         ensure_preset("huge")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_a_linear_repacks_its_weight_when_the_weight_changes_or_is_replaced():
+    """The packed copy (oneDNN's layout) follows the weight: a load into it (in place) or a new Parameter in
+    its place is packed again, never answered from the old copy."""
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(64, 96, bias=False).requires_grad_(False)
+    lin.kernel = "onednn"
+    x = torch.randn(3, 64, generator=g)
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-5)
+    lin.weight.copy_(torch.randn(96, 64, generator=g))            # what load_state_dict does
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-5)
+    for _ in range(3):   # a new weight, possibly at the old one's address once that is freed
+        lin.weight = torch.nn.Parameter(torch.randn(96, 64, generator=g), requires_grad=False)
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-5)
+    lin.kernel = "mkl"
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))

@@ -62,7 +62,7 @@ def test_the_probe_finds_unpadded_float32_variant_and_restores_threads():
     could not be trusted to pass bf16."""
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
     before = torch.get_num_threads()
-    assert numerics.probe(cfg, torch.float32) is None
+    assert numerics.probe_floors(cfg, torch.float32) is None
     assert torch.get_num_threads() == before
 
 
@@ -117,7 +117,7 @@ def test_the_choice_is_made_on_one_thread_whatever_the_process_runs_on(monkeypat
         seen.append(t)   # the threads it is asked to check on
         return real(c, dtype, unit, t, check) if t == 1 else False
     monkeypatch.setattr(numerics, "_padded_checks", checks)
-    monkeypatch.setattr(numerics, "probe", lambda c, dtype, **kw: seen.append(torch.get_num_threads()) or None)
+    monkeypatch.setattr(numerics, "probe_floors", lambda c, dtype, **kw: seen.append(torch.get_num_threads()) or None)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
