@@ -13,6 +13,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_ROOT_USER_ACTION=ignore \
     TETHER_HOME=/data/tether
 
+# Bounded OpenMP waits, as `tether up` gives its services (tether/settings.py OMP_ENV): idle threads never spin long
+# enough to starve a neighbour, and a step alone in the pipeline on every thread does not pay a wake per region.
+ENV OMP_WAIT_POLICY=PASSIVE \
+    GOMP_SPINCOUNT=10000
+
 # torch first, from the CPU index, so that `pip install .` finds torch==2.13.0 satisfied and never pulls CUDA.
 # Its own layer: code changes do not reinstall it.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0

@@ -93,6 +93,13 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 # docs/PERFORMANCE.md, "Numerics per machine").
 DTYPE = "auto"
 
+# OpenMP waits of the services `tether up` starts. Passive (no spinning) where the runtime is not GNU's, so that
+# idle threads never starve the other services on the same cores; GNU libgomp's (torch's) threads spin this many
+# turns (~0.1 ms by its own estimate) before sleeping: a step alone in the pipeline runs on every thread
+# (`frames_in_flight`), and with no spin each of its ~200 parallel regions paid a futex wake (smollm2's 1-row step
+# on 2 threads: 54 ms passive, 33 spinning 10,000 turns, 38 on 1 thread; an idle gap cost no measurable CPU).
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
 # neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of
 # tether/model/plain.py are a benchmark baseline only).

@@ -303,6 +303,7 @@ class Driver:
                 if self.traces:
                     self._trace_frame(batch, slots)
                 frame = self.pipeline.frame(slots)
+                frame.frames_in_flight = self.sched.frames_in_flight   # this one included: 1 = alone
                 self.frames.sent(frame.stream_seq, batch)
                 self.on_batch(batch)
                 await self.pipeline.send(frame)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 import torch
 
-from services.stage_worker.server import StageServicer
+from services.stage_worker.server import StageServicer, step_thread
 from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype; auto: bfloat16 where this CPU runs it natively and invariantly, else "
                         "float32 (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--alone-threads", type=int, default=0, metavar="N",
+                   help="threads a step may take when its frame is the only micro-batch in the pipeline (the "
+                        "coordinator's frames_in_flight hint: the other stages' cores are idle then); the same bits "
+                        "on any count (default: the cores this process may run on; 1 turns it off)")
     p.add_argument("--kv-memory-mib", type=float, default=settings.KV_MEMORY_MIB, metavar="MIB",
                    help="KV memory over all requests, cached prefixes included; the pool in positions follows from "
                         "this slice's layers, KV heads and dtype (default: %(default)s)")
@@ -70,20 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> StageWorker:
+    """The slice (its start-up probe included) and its worker, made on the step thread (`step_thread`)."""
     if args.threads:
-        torch.set_num_threads(args.threads)   # process-wide, before the slice loads
-    folder = resolve_model(args.model)
-    cfg = ModelConfig.from_folder(folder)
-    start, end = parse_layers(args.layers, cfg.num_hidden_layers, head_cost(cfg))
-    fingerprint = checked_fingerprint(folder)   # before loading: refuses a folder changed since tether made it
+        torch.set_num_threads(args.threads)   # before the slice loads
     model = load_slice(folder, start, end, args.dtype)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)
     log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
              kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     checks = not args.unsafe_disable_stamp_checks
-    worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype), stamp_checks=checks,
-                         limits=FrameLimits(args.max_frame_rows, args.max_frame_slots))
+    return StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype),
+                       stamp_checks=checks, limits=FrameLimits(args.max_frame_rows, args.max_frame_slots),
+                       alone_threads=args.alone_threads or len(os.sched_getaffinity(0)))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)   # process-wide default (every thread's first parallel region)
+    folder = resolve_model(args.model)
+    cfg = ModelConfig.from_folder(folder)
+    start, end = parse_layers(args.layers, cfg.num_hidden_layers, head_cost(cfg))
+    fingerprint = checked_fingerprint(folder)   # before loading: refuses a folder changed since tether made it
+    executor = step_thread()
+    worker = await asyncio.get_running_loop().run_in_executor(executor, load_worker, args, folder, start, end)
+    model = worker.model
     # Who may call what, with mutual TLS only (plaintext has no identities); refusals count in Stats.
     guard = authz.AuthzInterceptor(on_refusal=lambda method, why: worker.refusals.update(["PERMISSION_DENIED"]))
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"], tls=args.tls,
@@ -92,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
     faults = FaultInjector(args.fault_config)
     servicer = StageServicer(worker, fingerprint, address, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
-                             max_streams_per_peer=args.max_streams_per_peer, tls=args.tls)
+                             max_streams_per_peer=args.max_streams_per_peer, tls=args.tls, executor=executor)
     guard.state = servicer   # Forward is allowed from servicer.handshake_peer
     from tether.v1 import stage_pb2, stage_pb2_grpc
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
@@ -122,4 +137,6 @@ def main(argv: list[str] | None = None) -> None:
             or args.stream_idle <= 0:
         parser.error("--max-streams, --max-streams-per-peer, --max-frame-rows and --max-frame-slots must be >= 1 "
                      "and --stream-idle > 0")
+    if args.threads < 0 or args.alone_threads < 0:
+        parser.error("--threads and --alone-threads must be >= 1 (or 0: the default)")
     service_main.run("stage", parser, args, serve)

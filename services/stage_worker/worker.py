@@ -41,6 +41,12 @@ def echo(stamp: stage_pb2.Stamp) -> stage_pb2.Stamp:
                            sampling_digest=stamp.sampling_digest)
 
 
+def alone(frame: stage_pb2.Frame) -> bool:
+    """The coordinator's hint that this is the only micro-batch in the pipeline (`frames_in_flight`): the step
+    may take every thread (the same bits on any count; a false hint costs speed, never a result)."""
+    return frame.frames_in_flight == 1
+
+
 def frame_digest(frame: stage_pb2.Frame, key: StampKey) -> int:
     return key.frame_digest(frame.activations.data, frame.slots)
 
@@ -59,8 +65,11 @@ class StageWorker:
 
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str | None = None,
                  stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
-                 stamp_key: StampKey | None = None) -> None:
+                 stamp_key: StampKey | None = None, alone_threads: int = 0) -> None:
         self.model = model
+        # Threads a step takes when its frame is the only micro-batch in the pipeline (`alone`), the other stages'
+        # cores then idle; 0: the process's own count, as any other step.
+        self.alone_threads = alone_threads
         self.index = index
         self.dtype = dtype or numerics.name_of(model.dtype)   # what the handshake says and activations carry
         self.limits = limits
@@ -157,7 +166,7 @@ class StageWorker:
         for _, a, _ in admitted:
             self.state.commit(a)
         if self.model.has_head:
-            out.results.extend(self._sample(key, admitted, h))
+            out.results.extend(self._sample(key, admitted, h, self._wide(frame)))
         else:
             out.forward = self._next_frame(frame, key, admitted, h)
         return out
@@ -185,9 +194,13 @@ class StageWorker:
             x = torch.tensor([t for _, a, _ in admitted for t in a.token_ids[a.cached:]], dtype=torch.long)
         else:
             x = torch.cat([hidden[r:r + a.rows] for _, a, r in admitted])
-        return self.model(x, slots)
+        return self.model(x, slots, self._wide(frame))
 
-    def _sample(self, key: StampKey, admitted, h: torch.Tensor) -> list[stage_pb2.SlotResult]:
+    def _wide(self, frame: stage_pb2.Frame) -> int:
+        """The threads this step may take whatever its rows (ModelSlice's `wide`): alone_threads when alone."""
+        return self.alone_threads if alone(frame) else 0
+
+    def _sample(self, key: StampKey, admitted, h: torch.Tensor, wide: int) -> list[stage_pb2.SlotResult]:
         ends, params, positions = [], [], []
         row = 0
         for slot, a, _ in admitted:
@@ -197,7 +210,7 @@ class StageWorker:
                 params.append(slot.sampling)
                 positions.append(a.position + len(a.token_ids))
         # Every sampled slot in one batched draw: the tokens of sampler.sample row by row, in a few ops
-        tokens = sampler.sample_rows(self.model.logits(h[ends]), params, positions) if ends else []
+        tokens = sampler.sample_rows(self.model.logits(h[ends], wide), params, positions) if ends else []
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)
@@ -215,7 +228,7 @@ class StageWorker:
 
     def _next_frame(self, frame, key: StampKey, admitted, h: torch.Tensor) -> stage_pb2.Frame:
         nxt = stage_pb2.Frame(pipeline_epoch=frame.pipeline_epoch, slots=[s for s, _, _ in admitted],
-                              activations=tensors.encode(h))
+                              activations=tensors.encode(h), frames_in_flight=frame.frames_in_flight)
         nxt.payload_digest = frame_digest(nxt, key)
         return nxt
 

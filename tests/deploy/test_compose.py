@@ -486,6 +486,14 @@ def test_dockerfile_base_user_workdir_entrypoint():
     assert "tether" in pyproject["project"]["scripts"]
 
 
+def test_dockerfile_sets_the_openmp_waits_tether_up_sets():
+    env: dict[str, str] = {}
+    for instr, args in _dockerfile_instructions():
+        if instr == "ENV":
+            env.update(kv.split("=", 1) for kv in args.split())
+    assert {k: env.get(k) for k in settings.OMP_ENV} == settings.OMP_ENV
+
+
 def test_dockerfile_exposes_every_port_compose_serves():
     exposed = {p for i, a in _dockerfile_instructions() if i == "EXPOSE" for p in a.split()}
     for name, svc in _tether_services(_compose()).items():

@@ -187,6 +187,8 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
                          "--layers", f"{i}/{stages}"]
             if threads:
                 argv += ["--threads", str(threads)]
+            if pipelines > 1:   # a step alone in its pipeline shares the cores with the other pipelines
+                argv += ["--alone-threads", str(max(1, (os.cpu_count() or 1) // pipelines))]
             add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage", f"stage-{i}")
         route = ",".join(s.address for s in services[first:])
         add(f"{pipeline_prefix(k)}coordinator", py + ["services.coordinator", "--host", host, "--port",
@@ -286,8 +288,8 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             svc.log_path = self.log_dir / f"{svc.name}.log"
             out = open(svc.log_path, "ab")
-        # Passive OpenMP waits: spinning threads starve the other services sharing the machine's cores.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+        # Bounded OpenMP waits (settings.OMP_ENV): long spins starve the other services sharing the cores.
+        env = {**settings.OMP_ENV, **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         try:
             svc.proc = forkserver.spawn(svc.argv, _repo_root(), env, out)
         finally:

@@ -228,16 +228,16 @@ class ModelSlice(nn.Module):
                           None if capacity_tokens is None else capacity_tokens // block)
 
     @torch.inference_mode()
-    def forward(self, inputs: torch.Tensor, slots: list[SlotRows]) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, slots: list[SlotRows], wide: int = 0) -> torch.Tensor:
         """Run the slice. `inputs` is token ids [rows] on the first stage, hidden states [rows, hidden] after.
 
         Each slot's KV must come from `new_kv` (or the stage's arena) and already have room (`kv.ensure`); on
         success the caller advances `kv.length`. Rows are padded by the slice's RowRule (tether/model/
         invariant.py) and the padding dropped. A small batch runs on fewer threads (`invariant_threads`, the
-        same bits).
+        same bits); `wide` > 0 (the only micro-batch in the pipeline) runs it on that many, whatever the rows.
         """
         rows = inputs.shape[0]
-        with invariant_threads(rows, self.rows):
+        with invariant_threads(rows, self.rows, wide):
             padded = padded_rows(rows, self.rows)
             plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
                                        self.scratch, self.rows)   # built once per step, shared by every layer
@@ -257,8 +257,8 @@ class ModelSlice(nn.Module):
         return x[:rows]
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head over some rows (the last stage only); float32 logits."""
+    def logits(self, hidden: torch.Tensor, wide: int = 0) -> torch.Tensor:
+        """Final norm and LM head over some rows (the last stage only); float32 logits (`wide`: as forward)."""
         rows = hidden.shape[0]
-        with invariant_threads(rows, self.rows):
+        with invariant_threads(rows, self.rows, wide):
             return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, self.rows))))[:rows].float()

@@ -138,7 +138,8 @@ def _bend_slot(draw, f: stage_pb2.Frame) -> str:
 def alter(draw, f: stage_pb2.Frame) -> tuple[stage_pb2.Frame, str]:
     g = _copy(f)
     kind = draw(st.sampled_from(["swap_stamps", "swap_slots", "cross_ids", "move_token", "drop_slot", "duplicate_slot",
-                                 "shift_rows", "flip_byte", "swap_rows", "tensor", "digest"] + ["bend_slot"] * 8))
+                                 "shift_rows", "flip_byte", "swap_rows", "tensor", "digest", "in_flight"]
+                                + ["bend_slot"] * 8))
     i, j = _two(draw, g)
     if kind == "swap_stamps":             # the swap_slots fault: stamps move, everything else stays
         a, b = _copy(g.slots[i].stamp), _copy(g.slots[j].stamp)
@@ -184,6 +185,8 @@ def alter(draw, f: stage_pb2.Frame) -> tuple[stage_pb2.Frame, str]:
         kind = f"tensor:{what}"
     elif kind == "digest":
         g.payload_digest = draw(st.integers(0, 2**64 - 1))
+    elif kind == "in_flight":             # the thread hint: any value, the same bits
+        g.frames_in_flight = draw(st.sampled_from([0, 1, 2, 7]))
     return g, kind
 
 

@@ -151,6 +151,38 @@ def test_decode_steps_equal_reference(lm, pipe, temperature, seed):
     assert got == want
 
 
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
+def test_a_frame_alone_in_the_pipeline_runs_on_its_alone_threads_with_the_same_tokens(lm, pipe, in_flight):
+    """`frames_in_flight` 1 (the coordinator's hint that no other micro-batch is out) runs each stage's step on its
+    `alone_threads` (2 here, the process on 1); 0 (not said) or more keeps the process's rule (1 thread). The
+    hint travels to the next stage with the frame and changes no token."""
+    seen: list[int] = []
+    hooks = [w.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+             for w in (pipe.w0, pipe.w1)]
+    pipe.w0.alone_threads = pipe.w1.alone_threads = 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = Req("alone", list(PROMPTS["en"]))
+        for _ in range(3):
+            f = frame(r.slot())
+            f.frames_in_flight = in_flight
+            out0 = pipe.w0.process(f)
+            assert out0.forward is not None and out0.forward.frames_in_flight == in_flight
+            (res,) = pipe.w1.process(out0.forward).results
+            assert res.ok, res.detail
+            r.fed = len(r.ids)
+            r.ids.append(res.token_id)
+    finally:
+        torch.set_num_threads(before)
+        for h in hooks:
+            h.remove()
+    prompt = list(PROMPTS["en"])
+    assert r.ids[len(prompt):] == ref_tokens(lm, prompt, r.params)[:3]
+    assert seen == [2 if in_flight == 1 else 1] * 6   # 3 steps on each of 2 stages
+    assert torch.get_num_threads() == before
+
+
 def test_batch_of_three_each_equal_reference(lm, pipe):
     params = reference.sampling_params(max_tokens=5, ignore_eos=True)
     reqs = [Req(name, list(p), params) for name, p in PROMPTS.items()]

@@ -28,6 +28,10 @@ def test_threads_for_uses_no_more_threads_than_units_of_rows_nor_than_the_cap():
     assert [threads_for(r, sixteen, 2) for r in (1, 16, 17, 70)] == [1, 1, 2, 2]
     assert [threads_for(r, RowRule(16, threads=1), 2) for r in (1, 17, 70)] == [1, 1, 1]
     assert threads_for(70, four, 1) == 1
+    # alone in the pipeline (the other stages' cores idle): `wide` threads whatever the rows, the cap still holds
+    assert [threads_for(r, four, 1, wide=2) for r in (1, 4, 70)] == [2, 2, 2]
+    assert threads_for(1, four, 4, wide=3) == 3
+    assert threads_for(1, RowRule(16, threads=1), 2, wide=2) == 1
     assert [padded_rows(r, sixteen, 2) for r in (1, 32, 33)] == [32, 32, 64]
     assert [padded_rows(r, RowRule(None, 2)) for r in (1, 2, 33)] == [2, 2, 33]
 
@@ -130,5 +134,8 @@ def test_a_decode_step_has_the_same_bits_among_0_to_69_neighbours(tiny, threads)
     for rows in ROWS:
         h = tiny(ids[:rows], [SlotRows(kv, n, 1) for kv, n in zip(kvs[:rows], contexts)])
         assert torch.equal(tiny.logits(h)[:1], want), f"{rows} rows at {threads} threads"
+    for rows in (1, 2, 5, 70):   # alone in the pipeline: on 2 threads whatever the rows
+        h = tiny(ids[:rows], [SlotRows(kv, n, 1) for kv, n in zip(kvs[:rows], contexts)], wide=2)
+        assert torch.equal(tiny.logits(h, wide=2)[:1], want), f"{rows} rows alone on 2 threads"
     for kv in kvs:
         kv.release()
