@@ -77,16 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> StageWorker:
     """The slice (its start-up probe included) and its worker, made on the step thread (`step_thread`)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)   # before the slice loads
-    model = load_slice(folder, start, end, args.dtype)
+    threads = args.threads or torch.get_num_threads()
+    alone = args.alone_threads or len(os.sched_getaffinity(0))
+    # Load (and probe) on every thread count a step may take: the rule's thread cap is found up to torch's
+    # count, so a probe on `threads` alone would leave `alone` threads unchecked (a Xeon caps smollm2 at 1).
+    torch.set_num_threads(max(threads, alone))
+    try:
+        model = load_slice(folder, start, end, args.dtype)
+    finally:
+        torch.set_num_threads(threads)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)
     log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
              kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     checks = not args.unsafe_disable_stamp_checks
     return StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype),
                        stamp_checks=checks, limits=FrameLimits(args.max_frame_rows, args.max_frame_slots),
-                       alone_threads=args.alone_threads or len(os.sched_getaffinity(0)))
+                       alone_threads=alone)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -188,7 +188,7 @@ def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission
             if threads:
                 argv += ["--threads", str(threads)]
             if pipelines > 1:   # a step alone in its pipeline shares the cores with the other pipelines
-                argv += ["--alone-threads", str(max(1, (os.cpu_count() or 1) // pipelines))]
+                argv += ["--alone-threads", str(max(1, len(os.sched_getaffinity(0)) // pipelines))]
             add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage", f"stage-{i}")
         route = ",".join(s.address for s in services[first:])
         add(f"{pipeline_prefix(k)}coordinator", py + ["services.coordinator", "--host", host, "--port",
