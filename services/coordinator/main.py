@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per micro-batch (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=settings.MAX_BATCH_TOKENS,
                    help="rows per micro-batch; longer prompts are prefilled in chunks (default: %(default)s)")
+    p.add_argument("--alone-max-requests", type=int, default=settings.ALONE_MAX_REQUESTS, metavar="N",
+                   help="while at most N requests are active, keep one micro-batch in flight instead of one per "
+                        "stage, if every stage runs a micro-batch alone on more threads than under load (their "
+                        "--alone-threads; on shared cores that is faster for small batches); 0: always one per "
+                        "stage (default: %(default)s)")
     p.add_argument("--frame-timeout", type=float, default=settings.FRAME_TIMEOUT_S,
                    help="seconds before an unanswered micro-batch counts as lost; its requests are synced with "
                         "the stages and resumed or replayed (default: %(default)s)")
@@ -86,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
     driver = Driver(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving, stream_idle_s=args.stream_idle,
-                    prefix_cache=not args.no_prefix_cache)
+                    prefix_cache=not args.no_prefix_cache, alone_max=args.alone_max_requests)
     registry = metrics.new_registry() if args.metrics_port else None
     observed = metrics.CoordinatorMetrics(registry) if registry is not None else None
     servicer = CoordinatorServicer(driver, load_model_tokenizer(folder), cfg, fingerprint, args.max_request_seconds)

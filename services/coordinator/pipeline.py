@@ -184,3 +184,9 @@ class Pipeline:
         self.close_stream()
         for ch in self.channels.values():
             await ch.close()
+
+
+def stages_widen(stages: list[stage_pb2.StageInfo]) -> bool:
+    """Whether every handshaken stage runs a micro-batch alone in the pipeline on more threads than under load
+    (StageInfo.alone_threads): only then is one micro-batch in flight worth the stages it leaves idle."""
+    return bool(stages) and all(s.alone_threads > s.threads for s in stages)

@@ -1,7 +1,8 @@
 """Continuous batching for one pipeline (pure logic: no gRPC, no asyncio).
 
 The coordinator is the single writer of each request's sequence. A request has at most one frame in
-flight; new requests join at any step boundary; up to S micro-batches (one per stage) are kept in flight.
+flight; new requests join at any step boundary; up to S micro-batches (one per stage) are kept in flight, or
+one alone while few requests are active and the stages run a micro-batch alone on every core (`alone_max`).
 
 KV-aware (services/coordinator/ledger.py): a request enters the running set only when its whole context fits
 in every stage's pool, starting from the longest prefix the stages have cached; when decode growth runs out
@@ -264,6 +265,9 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, Request] = field(default_factory=dict)
     frames_in_flight: int = 0
+    # At most this many active requests: one micro-batch in flight, not one per stage (settings.ALONE_MAX_REQUESTS;
+    # the driver sets it from the handshake, 0 unless every stage widens a micro-batch alone).
+    alone_max: int = 0
     ledger: BlockLedger = field(default_factory=BlockLedger)
     figures: EngineFigures = field(default_factory=EngineFigures)
     # Filled by next_batch for the driver: requests preempted (their Release to send) and requests that can
@@ -291,8 +295,18 @@ class Scheduler:
             pass
         return release
 
+    @property
+    def active(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def depth(self) -> int:
+        """Micro-batches to keep in flight now: one per stage, or one alone while at most `alone_max` requests
+        are active (every stage then runs it on all its cores; the request's tokens are the same bits)."""
+        return 1 if 0 < self.active <= self.alone_max else self.num_stages
+
     def has_room(self) -> bool:
-        return self.frames_in_flight < self.num_stages
+        return self.frames_in_flight < self.depth
 
     @property
     def num_preempted(self) -> int:
@@ -318,7 +332,7 @@ class Scheduler:
     def next_batch(self) -> list[Request]:
         """Requests for the next micro-batch, each marked in flight with the stamp it is sent with.
 
-        The batch takes an even share of the active requests so that S micro-batches keep S stages busy;
+        The batch takes an even share of the active requests so that `depth` micro-batches keep the stages busy;
         running requests go first, then waiting ones by priority (aged: `start_class`) and arrival. At most `max_tokens` rows go
         in one frame: a prompt that does not fit is prefilled in chunks (batch invariance makes chunking
         invisible in the output), so long prompts never stall the decodes batched with them; while requests
@@ -327,8 +341,7 @@ class Scheduler:
         """
         if not self.has_room():
             return []
-        active = len(self.running) + len(self.waiting)
-        share = min(self.max_slots, max(1, ceil_div(active, self.num_stages)))
+        share = min(self.max_slots, max(1, ceil_div(self.active, self.depth)))
         batch: list[Request] = []
         tokens = 0
         # Running requests first, in order (none of them can starve). While requests wait, running prefill

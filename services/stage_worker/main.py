@@ -92,7 +92,7 @@ def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> Stage
     checks = not args.unsafe_disable_stamp_checks
     return StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype),
                        stamp_checks=checks, limits=FrameLimits(args.max_frame_rows, args.max_frame_slots),
-                       alone_threads=alone)
+                       alone_threads=alone, threads=threads)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -96,13 +96,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """This stage as a handshake reply describes it; without `disclose`, no model fingerprint (a refused
         peer that is not an authenticated coordinator or stage must not learn what to send next time)."""
         m = self.model
+        threads, alone_threads = self.worker.step_threads()
         return stage_pb2.StageInfo(
             address=self.address, layer_start=m.layer_start, layer_end=m.layer_end, has_embedding=m.has_embedding,
             has_head=m.has_head, model_fingerprint=self.fingerprint if disclose else "",
             protocol_version=settings.PROTOCOL_VERSION, kv_capacity_tokens=self.worker.kv_capacity_tokens,
             num_layers=m.cfg.num_hidden_layers, dtype=self.worker.dtype,
             max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
-            max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens)
+            max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens,
+            threads=threads, alone_threads=alone_threads)
 
     def _refusal(self, req: stage_pb2.HandshakeRequest) -> str | None:
         m = self.model

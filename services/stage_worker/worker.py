@@ -19,6 +19,7 @@ from tether import settings
 from tether.generation import sampler
 from tether.kv.paged import PagedKV
 from tether.model import numerics
+from tether.model.invariant import threads_for
 from tether.model.llama import ModelSlice, SlotRows
 from tether.protocol import tensors
 from tether.protocol.stamp_key import StampKey
@@ -65,11 +66,12 @@ class StageWorker:
 
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str | None = None,
                  stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
-                 stamp_key: StampKey | None = None, alone_threads: int = 0) -> None:
+                 stamp_key: StampKey | None = None, alone_threads: int = 0, threads: int = 0) -> None:
         self.model = model
         # Threads a step takes when its frame is the only micro-batch in the pipeline (`alone`), the other stages'
         # cores then idle; 0: the process's own count, as any other step.
         self.alone_threads = alone_threads
+        self.threads = threads or torch.get_num_threads()   # the process's count: what a step takes under load
         self.index = index
         self.dtype = dtype or numerics.name_of(model.dtype)   # what the handshake says and activations carry
         self.limits = limits
@@ -87,6 +89,14 @@ class StageWorker:
         self.steps = 0
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
         self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
+
+    def step_threads(self) -> tuple[int, int]:
+        """The most threads a step takes under load, and alone (both within the rule's cap): what the handshake
+        tells the coordinator, which keeps one micro-batch in flight while few requests are active only where
+        every stage widens one alone."""
+        rule = self.model.rows
+        loaded = threads_for(1, rule, wide=self.threads)   # `wide`: that many, whatever the rows, within the cap
+        return loaded, threads_for(1, rule, wide=self.alone_threads) if self.alone_threads else loaded
 
     def _new_kv(self, owner: str) -> PagedKV:
         return PagedKV(self.arena, owner)

@@ -76,6 +76,42 @@ def test_no_room_means_no_batch_and_no_state_change():
     assert not set(ids(b3)) & set(ids(b2)) and not sched.has_room()
 
 
+@pytest.mark.parametrize("active", [1, 2, 8, 16])
+def test_few_active_requests_go_in_one_micro_batch_alone(active):
+    """alone_max (set where every stage widens a micro-batch alone): at most that many active requests make one
+    micro-batch, the only one in flight, so each stage runs it on all its cores."""
+    sched = Scheduler(num_stages=2, max_slots=32, max_tokens=10_000, alone_max=16)
+    for i in range(active):
+        sched.add(req(f"r{i}"))
+    batch = sched.next_batch()
+    assert len(batch) == active and sched.frames_in_flight == 1
+    assert not sched.has_room() and sched.next_batch() == []   # no second micro-batch while it is out
+    complete(sched, batch)
+    assert ids(sched.next_batch()) == ids(batch)               # back: all of them again, in one
+
+
+def test_past_alone_max_a_micro_batch_per_stage_again():
+    sched = Scheduler(num_stages=2, max_slots=32, max_tokens=10_000, alone_max=4)
+    for i in range(4):
+        sched.add(req(f"r{i}"))
+    alone = sched.next_batch()
+    assert len(alone) == 4 and not sched.has_room()
+    sched.add(req("r4"))                    # 5 active: one micro-batch per stage, the newcomer in the second
+    assert sched.has_room() and ids(sched.next_batch()) == ["r4"] and sched.frames_in_flight == 2
+    complete(sched, alone)
+    assert len(sched.next_batch()) == 3     # an even share of 5 over 2 stages
+    sched.remove(alone[0])
+    sched.remove(alone[1])                  # 3 active again, but two micro-batches are still out: wait for them
+    assert sched.frames_in_flight == 2 and sched.next_batch() == []
+
+
+def test_alone_max_zero_keeps_one_micro_batch_per_stage():
+    sched = Scheduler(num_stages=2, max_slots=32, max_tokens=10_000)   # the default: 0
+    for i in range(4):
+        sched.add(req(f"r{i}"))
+    assert len(sched.next_batch()) == len(sched.next_batch()) == 2 and sched.frames_in_flight == 2
+
+
 def test_a_request_is_never_in_two_frames():
     sched = Scheduler(num_stages=4, max_slots=32, max_tokens=10_000)
     for i in range(3):

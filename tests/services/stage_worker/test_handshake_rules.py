@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.stage_worker.server import StageServicer
@@ -57,3 +59,18 @@ def test_a_matching_stage_accepts(folder):
 def test_each_refusal_names_the_stage_and_the_reason(folder, start, end, index, stages, prev, over, words):
     why = servicer(folder, start, end)._refusal(request(folder, index, stages, prev, **over))
     assert why is not None and words in why and f"stage {index}" in why
+
+
+@pytest.mark.parametrize("threads,alone,cap,want", [(1, 2, None, (1, 2)), (1, 0, None, (1, 1)), (2, 2, None, (2, 2)),
+                                                    (1, 4, 2, (1, 2)), (2, 2, 1, (1, 1))])
+def test_the_stage_info_says_the_threads_a_step_takes_under_load_and_alone(folder, threads, alone, cap, want):
+    """What the coordinator reads to keep one micro-batch in flight while few requests are active (only where
+    alone_threads > threads on every stage): --threads and --alone-threads (0: as under load), within the
+    rule's thread cap (a Xeon caps smollm2 at 1: alone would then gain nothing)."""
+    svc = servicer(folder, 0, 2)
+    worker = svc.worker
+    worker.threads, worker.alone_threads = threads, alone
+    worker.model.rows = dataclasses.replace(worker.model.rows, threads=cap)
+    info = svc.info()
+    assert (info.threads, info.alone_threads) == want
+    assert svc.info(disclose=False).alone_threads == want[1]
