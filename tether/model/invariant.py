@@ -33,10 +33,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tether.mathutil import ceil_div
+from tether.model import rowdot
 
 # torch's thread count is process-wide: while one invariant forward runs on fewer threads, another must not
 # start (it would pad for the lowered count and run on the restored one).
@@ -131,16 +133,21 @@ def _as_is(weight: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Kernel:
     """The linears' kernel a RowRule names: the product, the MLP's gate projection with its SiLU, and what a
-    weight becomes once before either runs on it (the probe checks the kernel exactly so)."""
+    weight becomes once before either runs on it (the probe checks the kernel exactly so). `fused_silu`: the
+    gate's SiLU runs inside the product; otherwise ATen's SiLU follows it, whose row counts the probe sweeps."""
 
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    gate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    prepare: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
+    gate: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
+    prepare: Callable[[torch.Tensor], Any]
+    fused_silu: bool = False
 
 
-# "mkl": torch's own F.linear (MKL's sgemm for fp32, oneDNN reordering the weight per call for bf16)
+# "mkl": torch's own F.linear (MKL's sgemm for fp32, oneDNN reordering the weight per call for bf16); "rowdot":
+# our fp32 kernel whose rows are invariant by construction (tether/model/rowdot.py; where it cannot be built,
+# its prepare raises and the probe skips it)
 KERNELS = {"mkl": Kernel(torch.nn.functional.linear, mkl_silu_linear, _as_is),
-           "onednn": Kernel(onednn_linear, onednn_silu_linear, onednn_pack)}
+           "onednn": Kernel(onednn_linear, onednn_silu_linear, onednn_pack, fused_silu=True),
+           "rowdot": Kernel(rowdot.linear, rowdot.silu_linear, rowdot.pack)}
 
 
 def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:

@@ -240,7 +240,7 @@ def probe_floors(cfg: ModelConfig, dtype: torch.dtype, block: int = 64,
                 found |= _failing_rows(op, x, threads)
                 if floor_of(found) is None:
                     return None
-            if kernel == "mkl" and not _silu_holds(cfg, dtype, range(1, SILU_ROWS + 1), threads):
+            if not KERNELS[kernel].fused_silu and not _silu_holds(cfg, dtype, range(1, SILU_ROWS + 1), threads):
                 return None
             long_ops = [(linear(rand(o, i)), i) for i, o in sorted(linears) if o != cfg.vocab_size] + [(gate, h)]
             for op, i in long_ops:
@@ -383,17 +383,31 @@ def padded_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
 
 
 def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
-    """fp32 linears through oneDNN (invariant.onednn_linear) unpadded from a floor, where `probe` finds every
-    op class but the tiles invariant so on 1 thread, with the tiles' heights padded by the smallest unit that
-    holds for them (MKL's batched matmuls). On an Intel Xeon MKL's fp32 rows change below 16 rows, oneDNN's
-    only at 1: a decode step alone runs as 2 rows, not 16. None where oneDNN is absent or not invariant."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """fp32 linears through oneDNN (invariant.onednn_linear) unpadded from a floor (`unpadded_fp32_probe`). On an
+    Intel Xeon MKL's fp32 rows change below 16 rows, oneDNN's only at 1: a decode step alone runs as 2 rows, not
+    16. None where oneDNN is absent or not invariant."""
+    if not torch.backends.mkldnn.is_available():
         return None
-    floors = _on_threads(1, lambda: _floors_if_runs(cfg, dtype, kernel="onednn", attention=False))
+    return unpadded_fp32_probe(cfg, dtype, "onednn")
+
+
+def rowdot_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
+    """fp32 linears on our own kernel (tether/model/rowdot.py), where it runs: invariant by construction, which
+    the probe checks like any other kernel's. None where it cannot be built here or a check fails."""
+    return unpadded_fp32_probe(cfg, dtype, "rowdot")
+
+
+def unpadded_fp32_probe(cfg: ModelConfig, dtype: torch.dtype, kernel: str) -> RowRule | None:
+    """fp32 linears on `kernel` unpadded from a floor, where `probe_floors` finds every op class but the tiles
+    invariant so on 1 thread, with the tiles' heights padded by the smallest unit that holds for them (MKL's
+    batched matmuls). None where the kernel does not run here or is not invariant."""
+    if dtype != torch.float32:
+        return None
+    floors = _on_threads(1, lambda: _floors_if_runs(cfg, dtype, kernel=kernel, attention=False))
     if floors is None:
         return None
     unit = next((u for u in UNITS if _padded_checks(cfg, dtype, u, 1, _tiles_hold)), None)
-    return None if unit is None else RowRule(None, floors[0], linear="onednn", tile_unit=unit,
+    return None if unit is None else RowRule(None, floors[0], linear=kernel, tile_unit=unit,
                                              linear_floors=floors[1])
 
 
@@ -402,7 +416,7 @@ def _floors_if_runs(cfg: ModelConfig, dtype: torch.dtype, kernel: str, attention
     this dtype's weights raises): a kernel that cannot run is not invariant, and another is tried."""
     try:
         return probe_floors(cfg, dtype, kernel=kernel, attention=attention)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         log.warning("%s linears do not run here for %s (%s): not chosen", kernel, name_of(dtype), e)
         return None
 
@@ -421,7 +435,10 @@ def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """The kernels and rows `dtype` runs this model on here, chosen on 1 thread, so that every process on the
     machine chooses the same whatever its thread count (a row's bits depend on the rule): bf16 unpadded from
     `probe_floors`' floors where the CPU has native bf16 and the probe passes (on the first of BF16_KERNELS
-    that does); else MKL padded (`padded_probe`) where its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's
+    that does); else, in fp32, our own rowdot kernel where it runs and every row count from 1 gives the same bits
+    (`rowdot_probe`: nothing padded but the tiles; on an AMD EPYC without AVX-512 its 15 smollm2 layers'
+    linears took 12 ms at 1 row and 29 at 8 against MKL's 36 and 47 padded, docs/PERFORMANCE.md); else MKL
+    padded (`padded_probe`) where its unit is at most MKL_UNIT_BEFORE_ONEDNN, oneDNN's
     fp32 linears (`onednn_probe`) where MKL pads more or is not invariant; None where no kernels are invariant. Chosen by the probes' answers, not by timing them,
     so that two processes probing at once cannot choose differently."""
     if dtype == torch.bfloat16 and not BF16_FLAGS.isdisjoint(cpu_flags()):
@@ -429,6 +446,9 @@ def choose_rule(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
             floors = _on_threads(1, functools.partial(_floors_if_runs, cfg, dtype, kernel=kernel))
             if floors is not None:
                 return RowRule(None, floors[0], linear=kernel, linear_floors=floors[1])
+    own = rowdot_probe(cfg, dtype)
+    if own is not None and own.floor == 1 and not own.linear_floors:   # pads nothing but the tiles
+        return own
     fast, padded = onednn_probe(cfg, dtype), padded_probe(cfg, dtype)
     if fast is None or (padded is not None and padded.unit is not None and padded.unit <= MKL_UNIT_BEFORE_ONEDNN):
         return padded
@@ -461,7 +481,7 @@ _LOCK = threading.Lock()
 
 # The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
 # makes a new key, so an answer found by other code is never read (no version number to forget to bump).
-_PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py")
+_PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "rowdot.py", "kernels/rowdot.c")
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,6 +11,7 @@ from tether import settings
 from tether.model import invariant, numerics
 from tether.model.config import ModelConfig
 from tether.model.invariant import RowRule
+from tether.model import rowdot
 from tether.model.loader import resolve_model
 
 
@@ -191,10 +192,43 @@ def test_the_padded_check_sees_a_row_that_differs_at_one_padded_count():
     (None, None, None),
 ])
 def test_the_choice_keeps_mkl_padded_to_4_rows_else_takes_onednn(monkeypatch, fast, padded, want):
+    """Where our own kernel does not serve (no AVX2, no compiler)."""
     cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    monkeypatch.setattr(numerics, "rowdot_probe", lambda c, dtype: None)
     monkeypatch.setattr(numerics, "onednn_probe", lambda c, dtype: fast)
     monkeypatch.setattr(numerics, "padded_probe", lambda c, dtype: padded)
     assert numerics.choose_rule(cfg, torch.float32) == {"fast": fast, "padded": padded, None: None}[want]
+
+
+ROWDOT = RowRule(None, 1, linear="rowdot", tile_unit=4)
+
+
+@pytest.mark.parametrize("own, want", [
+    (ROWDOT, "own"),                                                             # pads nothing: taken first
+    (dataclasses.replace(ROWDOT, floor=2), "padded"),                            # would pad: the usual choice
+    (dataclasses.replace(ROWDOT, linear_floors=((1536, 576, 2),)), "padded"),
+    (None, "padded"),
+])
+def test_the_choice_takes_rowdot_where_it_pads_nothing(monkeypatch, own, want):
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    padded = RowRule(4)
+    monkeypatch.setattr(numerics, "rowdot_probe", lambda c, dtype: own)
+    monkeypatch.setattr(numerics, "onednn_probe", lambda c, dtype: None)
+    monkeypatch.setattr(numerics, "padded_probe", lambda c, dtype: padded)
+    assert numerics.choose_rule(cfg, torch.float32) == {"own": own, "padded": padded}[want]
+
+
+def test_rowdot_where_it_runs_is_invariant_from_one_row_on_its_own_checks():
+    """Where rowdot builds (AVX2 and FMA, a C compiler), the probe finds it invariant from 1 row on every
+    linear of the model: it is so by construction, and the probe is what says so, not the construction."""
+    cfg = ModelConfig.from_folder(resolve_model("small"))
+    why = rowdot.available()
+    rule = numerics.rowdot_probe(cfg, torch.float32)
+    if why is not None:
+        assert rule is None, why
+        return
+    assert rule is not None and (rule.floor, rule.linear_floors, rule.linear) == (1, (), "rowdot")
+    assert numerics.choose_rule(cfg, torch.float32) == rule
 
 
 def test_the_onednn_rule_it_finds_holds_on_its_own_checks():

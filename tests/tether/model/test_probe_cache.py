@@ -93,6 +93,7 @@ def test_the_probed_code_is_part_of_the_key(monkeypatch, tmp_path):
     from pathlib import Path
     here = Path(numerics.__file__).parent
     for name in numerics._PROBED_CODE:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(here / name, tmp_path / name)
     monkeypatch.setattr(numerics, "__file__", str(tmp_path / "numerics.py"))
     numerics._code_digest.cache_clear()
@@ -100,6 +101,11 @@ def test_the_probed_code_is_part_of_the_key(monkeypatch, tmp_path):
         same = numerics._code_digest()
         (tmp_path / "tiles.py").write_text((tmp_path / "tiles.py").read_text() + "\n# edited\n")
         numerics._code_digest.cache_clear()
-        assert numerics._code_digest() != same
+        edited = numerics._code_digest()
+        assert edited != same
+        kernel = tmp_path / "kernels" / "rowdot.c"   # the C kernel's source too
+        kernel.write_text(kernel.read_text() + "\n/* edited */\n")
+        numerics._code_digest.cache_clear()
+        assert numerics._code_digest() not in (same, edited)
     finally:
         numerics._code_digest.cache_clear()

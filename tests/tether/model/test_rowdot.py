@@ -1,0 +1,79 @@
+"""rowdot (tether/model/rowdot.py, kernels/rowdot.c): the product it computes, and a row's bits whatever rows
+share its call. Skipped where it cannot be built (no AVX2/FMA or no C compiler); the numerics probe then never
+chooses it (test_numerics.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tether.model import rowdot
+
+pytestmark = pytest.mark.skipif(rowdot.available() is not None, reason=f"rowdot does not run here: {rowdot.available()}")
+
+# (in, out): smollm2's and tiny's linears, and shapes whose columns end mid-block or whose K is odd
+SHAPES = [(576, 576), (576, 192), (1536, 576), (576, 1536), (688, 256), (256, 688), (100, 37), (33, 17), (7, 1)]
+
+
+@pytest.mark.parametrize("inner, outer", SHAPES)
+def test_it_computes_the_product(inner, outer):
+    g = torch.Generator().manual_seed(inner * 1000 + outer)
+    w, x, b = torch.randn(outer, inner, generator=g), torch.randn(45, inner, generator=g), torch.randn(outer, generator=g)
+    want = (x.double() @ w.double().T + b.double()).float()
+    got = rowdot.linear(x, rowdot.pack(w), b)
+    assert got.shape == (45, outer)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * inner ** 0.5)
+
+
+@pytest.mark.parametrize("inner, outer", SHAPES)
+def test_a_row_has_the_same_bits_in_every_call(inner, outer):
+    """Every window of m rows of a 150-row batch (m = 1-13, past a 6-row tile and a 64-row chunk) and every
+    permutation of rows gives each row the bits it has in the whole batch."""
+    g = torch.Generator().manual_seed(inner + outer)
+    p = rowdot.pack(torch.randn(outer, inner, generator=g))
+    x = torch.randn(150, inner, generator=g)
+    whole = rowdot.linear(x, p)
+    for m in [*range(1, 14), 63, 64, 65, 100, 128]:
+        for s in range(0, 150 - m + 1, m):
+            assert torch.equal(rowdot.linear(x[s:s + m], p), whole[s:s + m]), f"{m} rows from {s}"
+    order = torch.randperm(150, generator=g)
+    assert torch.equal(rowdot.linear(x[order], p), whole[order])
+
+
+def test_it_takes_strided_and_batched_inputs():
+    g = torch.Generator().manual_seed(3)
+    p = rowdot.pack(torch.randn(48, 32, generator=g))
+    x = torch.randn(5, 64, generator=g)[:, ::2]            # rows strided, columns strided
+    want = rowdot.linear(x.contiguous(), p)
+    assert torch.equal(rowdot.linear(x, p), want)
+    assert torch.equal(rowdot.linear(x.reshape(5, 1, 32), p), want.view(5, 1, 48))
+    assert rowdot.linear(torch.empty(0, 32), p).shape == (0, 48)
+
+
+def test_its_gate_is_silu_of_the_product():
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(64, 40, generator=g), torch.randn(9, 40, generator=g)
+    p = rowdot.pack(w)
+    assert torch.equal(rowdot.silu_linear(x, p), F.silu(rowdot.linear(x, p)))
+
+
+def test_it_refuses_what_it_cannot_compute():
+    with pytest.raises(rowdot.Unavailable, match="float32"):
+        rowdot.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    p = rowdot.pack(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="8 inputs"):
+        rowdot.linear(torch.zeros(2, 6), p)
+
+
+def test_without_a_compiler_it_is_unavailable_and_says_why(monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    rowdot._library.cache_clear()
+    try:
+        assert "failed to build" in (rowdot.available() or "")
+        with pytest.raises(rowdot.Unavailable):
+            rowdot.pack(torch.zeros(4, 4))
+    finally:
+        monkeypatch.undo()
+        rowdot._library.cache_clear()
+    assert rowdot.available() is None

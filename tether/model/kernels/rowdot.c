@@ -1,0 +1,152 @@
+/* y = x @ w.T with every output a single fused-multiply-add chain over k = 0, 1, ..., K-1, in that order.
+ *
+ * Why: a BLAS picks its kernel path by the row count M (and threads), and the paths sum a row's products in
+ * different orders, so a row's bits change with the rows beside it (tether/model/invariant.py). Here each
+ * y[m][n] is the same chain whatever M is, however rows and columns are grouped into register tiles and
+ * whichever thread computes it: batch-invariant by construction, with no padding. The tiles only decide how
+ * many chains run side by side (enough independent FMAs to hide their latency, and each weight load shared by
+ * up to 6 rows).
+ *
+ * Layout: the weight [N][K] is packed once (rowdot_pack) as [ceil(N/16)][K][16]: a block of 16 output columns,
+ * k-major, so one k step of a block is two aligned 8-float vectors. Columns past N are zero and never stored.
+ *
+ * Built with -mavx2 -mfma and -ffp-contract=off (no other multiply-add is fused, nothing reassociated).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 16
+
+void rowdot_pack(const float *w, int64_t n, int64_t k, float *out) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    memset(out, 0, (size_t)(blocks * k * BLOCK) * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        float *col = out + (j / BLOCK) * k * BLOCK + (j % BLOCK);
+        const float *row = w + j * k;
+        for (int64_t i = 0; i < k; i++)
+            col[i * BLOCK] = row[i];
+    }
+}
+
+static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi) {
+    if (col + BLOCK <= n) {
+        _mm256_storeu_ps(y + col, lo);
+        _mm256_storeu_ps(y + col + 8, hi);
+    } else {   /* the last, partial block of columns */
+        float tmp[BLOCK];
+        _mm256_storeu_ps(tmp, lo);
+        _mm256_storeu_ps(tmp + 8, hi);
+        memcpy(y + col, tmp, (size_t)(n - col) * sizeof(float));
+    }
+}
+
+/* Up to 6 rows against one block of 16 columns: 12 accumulators, in named registers (GCC keeps an array of
+ * them in memory, and 12 stores a step made the tile store-bound); with Zen 2's 5-cycle FMA latency, 10 chains
+ * keep both FMA pipes busy. R is a constant at every call, so the unused rows compile away. */
+#define ROW(j)                                                                                     \
+    if (R > j) {                                                                                   \
+        __m256 xv = _mm256_broadcast_ss(x + j * ldx + i);                                          \
+        a##j = _mm256_fmadd_ps(xv, w0, a##j);                                                      \
+        b##j = _mm256_fmadd_ps(xv, w1, b##j);                                                      \
+    }
+#define OUT(j) if (R > j) store(y + j * ldy, col, n, a##j, b##j);
+
+static inline __attribute__((always_inline)) void
+rows_tile(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+          int64_t col, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    for (int64_t i = 0; i < k; i++) {
+        __m256 w0 = _mm256_load_ps(wp + i * BLOCK), w1 = _mm256_load_ps(wp + i * BLOCK + 8);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+    }
+    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+}
+
+/* One row against 4 blocks (a decode step alone): 8 chains, 4 weight streams. */
+static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y, int64_t col, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const float *p0 = wp, *p1 = wp + k * BLOCK, *p2 = wp + 2 * k * BLOCK, *p3 = wp + 3 * k * BLOCK;
+    for (int64_t i = 0; i < k; i++) {
+        __m256 xv = _mm256_broadcast_ss(x + i);
+        int64_t o = i * BLOCK;
+        a0 = _mm256_fmadd_ps(xv, _mm256_load_ps(p0 + o), a0);
+        b0 = _mm256_fmadd_ps(xv, _mm256_load_ps(p0 + o + 8), b0);
+        a1 = _mm256_fmadd_ps(xv, _mm256_load_ps(p1 + o), a1);
+        b1 = _mm256_fmadd_ps(xv, _mm256_load_ps(p1 + o + 8), b1);
+        a2 = _mm256_fmadd_ps(xv, _mm256_load_ps(p2 + o), a2);
+        b2 = _mm256_fmadd_ps(xv, _mm256_load_ps(p2 + o + 8), b2);
+        a3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o), a3);
+        b3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o + 8), b3);
+    }
+    store(y, col, n, a0, b0);
+    store(y, col + BLOCK, n, a1, b1);
+    store(y, col + 2 * BLOCK, n, a2, b2);
+    store(y, col + 3 * BLOCK, n, a3, b3);
+}
+
+/* Two rows against 2 blocks: 8 chains where one block would give 4. */
+static void rows2_by_2_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                              int64_t col, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const float *p0 = wp, *p1 = wp + k * BLOCK;
+    for (int64_t i = 0; i < k; i++) {
+        __m256 x0 = _mm256_broadcast_ss(x + i), x1 = _mm256_broadcast_ss(x + ldx + i);
+        int64_t o = i * BLOCK;
+        __m256 u0 = _mm256_load_ps(p0 + o), v0 = _mm256_load_ps(p0 + o + 8);
+        __m256 u1 = _mm256_load_ps(p1 + o), v1 = _mm256_load_ps(p1 + o + 8);
+        a0 = _mm256_fmadd_ps(x0, u0, a0);
+        b0 = _mm256_fmadd_ps(x0, v0, b0);
+        a1 = _mm256_fmadd_ps(x0, u1, a1);
+        b1 = _mm256_fmadd_ps(x0, v1, b1);
+        a2 = _mm256_fmadd_ps(x1, u0, a2);
+        b2 = _mm256_fmadd_ps(x1, v0, b2);
+        a3 = _mm256_fmadd_ps(x1, u1, a3);
+        b3 = _mm256_fmadd_ps(x1, v1, b3);
+    }
+    store(y, col, n, a0, b0);
+    store(y, col + BLOCK, n, a1, b1);
+    store(y + ldy, col, n, a2, b2);
+    store(y + ldy, col + BLOCK, n, a3, b3);
+}
+
+static void tile(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                 int64_t col, int64_t n) {
+    switch (rows) {
+    case 6: rows_tile(6, x, ldx, wp, k, y, ldy, col, n); break;
+    case 5: rows_tile(5, x, ldx, wp, k, y, ldy, col, n); break;
+    case 4: rows_tile(4, x, ldx, wp, k, y, ldy, col, n); break;
+    case 3: rows_tile(3, x, ldx, wp, k, y, ldy, col, n); break;
+    case 2: rows_tile(2, x, ldx, wp, k, y, ldy, col, n); break;
+    default: rows_tile(1, x, ldx, wp, k, y, ldy, col, n); break;
+    }
+}
+
+/* Rows [0, m) against column blocks [b0, b1): blocks outermost, so that a block's weights (K * 64 bytes) stay
+ * in cache while every row passes over them, and are read from memory once per call. */
+static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                             int64_t n, int64_t m, int64_t b0, int64_t b1) {
+    int64_t b = b0;
+    if (m == 1)   /* one or two rows: blocks side by side, for enough independent chains */
+        for (; b + 4 <= b1; b += 4)
+            row_by_4_blocks(x, wp + b * k * BLOCK, k, y, b * BLOCK, n);
+    if (m == 2)
+        for (; b + 2 <= b1; b += 2)
+            rows2_by_2_blocks(x, ldx, wp + b * k * BLOCK, k, y, ldy, b * BLOCK, n);
+    for (; b < b1; b++)
+        for (int64_t r = 0; r < m; r += 6)
+            tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp + b * k * BLOCK, k, y + r * ldy, ldy,
+                 b * BLOCK, n);
+}
+
+/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T, w packed by rowdot_pack; column blocks [b0, b1)
+ * only (a caller's share of the columns: every block is computed the same way by whoever computes it). */
+void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
+            int64_t m, int64_t b0, int64_t b1) {
+    /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
+    for (int64_t r = 0; r < m; r += 64) {
+        int64_t rows = m - r < 64 ? m - r : 64;
+        rows_over_blocks(x + r * ldx, ldx, wp, k, y + r * ldy, ldy, n, rows, b0, b1);
+    }
+}
