@@ -28,7 +28,7 @@ from tether.model.presets import tether_home
 
 SOURCE = Path(__file__).parent / "kernels" / "rowdot.c"
 BLOCK = 16   # output columns per packed block (rowdot.c's BLOCK)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma"})   # /proc/cpuinfo flags the built code runs on
 
 
@@ -79,7 +79,7 @@ def _library() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rowdot_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rowdot_pack.restype = None
-    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
+    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     lib.rowdot.restype = None
     return lib
 
@@ -106,7 +106,8 @@ def pack(weight: torch.Tensor) -> PackedWeight:
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) over the last dimension of `x`; every row's bits independent of the others."""
+    """x @ weight.T (+ bias) over the last dimension of `x`, on torch's thread count (split by output columns);
+    every row's bits independent of the others and of the threads."""
     lib = _library()
     lead, k = x.shape[:-1], x.shape[-1]
     if k != weight.in_features or x.dtype != torch.float32:
@@ -118,7 +119,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         lib.rowdot(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), k, y.data_ptr(), n, n, m,
-                   0, weight.data.shape[0])
+                   torch.get_num_threads())
     if bias is not None:
         y += bias
     return y.view(*lead, n)

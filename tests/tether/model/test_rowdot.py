@@ -77,3 +77,21 @@ def test_without_a_compiler_it_is_unavailable_and_says_why(monkeypatch):
         monkeypatch.undo()
         rowdot._library.cache_clear()
     assert rowdot.available() is None
+
+
+@pytest.mark.parametrize("inner, outer", [(576, 1536), (1536, 576), (256, 688), (100, 37)])
+def test_a_row_has_the_same_bits_on_every_thread_count(inner, outer):
+    """The columns are split among torch's threads: 1-4 threads, at row counts that take each tile."""
+    g = torch.Generator().manual_seed(inner * 7 + outer)
+    p = rowdot.pack(torch.randn(outer, inner, generator=g))
+    x = torch.randn(70, inner, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = rowdot.linear(x, p)
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 6, 7, 70):
+                assert torch.equal(rowdot.linear(x[:m], p), want[:m]), f"{m} rows on {threads} threads"
+    finally:
+        torch.set_num_threads(before)

@@ -13,6 +13,7 @@
  * Built with -mavx2 -mfma and -ffp-contract=off (no other multiply-add is fused, nothing reassociated).
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -140,13 +141,33 @@ static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64
                  b * BLOCK, n);
 }
 
-/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T, w packed by rowdot_pack; column blocks [b0, b1)
- * only (a caller's share of the columns: every block is computed the same way by whoever computes it). */
-void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
-            int64_t m, int64_t b0, int64_t b1) {
+static void rowdot_range(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                         int64_t n, int64_t m, int64_t b0, int64_t b1) {
     /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
     for (int64_t r = 0; r < m; r += 64) {
         int64_t rows = m - r < 64 ? m - r : 64;
         rows_over_blocks(x + r * ldx, ldx, wp, k, y + r * ldy, ldy, n, rows, b0, b1);
+    }
+}
+
+/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T, w packed by rowdot_pack, on `threads` threads:
+ * each takes a contiguous share of the column blocks (in fours, the one-row tile's width), and every block is
+ * computed the same way whoever computes it. OpenMP here is torch's own libgomp (the same soname, already
+ * loaded when this library is), so the threads are the pool torch's ops use on the calling thread. */
+void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
+            int64_t m, int threads) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    if (threads <= 1 || blocks < 8) {
+        rowdot_range(x, ldx, wp, k, y, ldy, n, m, 0, blocks);
+        return;
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        int64_t share = (blocks + team - 1) / team;
+        share = (share + 3) / 4 * 4;
+        int64_t b0 = t * share, b1 = b0 + share < blocks ? b0 + share : blocks;
+        if (b0 < b1)
+            rowdot_range(x, ldx, wp, k, y, ldy, n, m, b0, b1);
     }
 }
