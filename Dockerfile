@@ -22,7 +22,7 @@ ENV OMP_WAIT_POLICY=PASSIVE \
 # Its own layer: code changes do not reinstall it.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-# A C compiler: the fp32 rowdot kernel (tether/model/rowdot.py) is built on the machine that serves, at a stage's
+# A C compiler: our fp32 kernels (tether/model/native.py) is built on the machine that serves, at a stage's
 # first start; without one the stages fall back to MKL padded to 4 rows (the same answers, slower).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -52,7 +52,7 @@ RUN mkdir -p /data/tether \
  && python -m tether.model \
  && rm -rf /data/tether/downloads \
  && python -c "from tether.model.loader import resolve_model; resolve_model('tiny')" \
- && python -c "from tether.model import rowdot; print(rowdot.available() or 'rowdot kernel built')" \
+ && python -c "from tether.model import native; print(native.available() or 'our C kernels built')" \
  && chown -R tether:tether /data/tether
 
 USER tether

@@ -62,6 +62,9 @@ class RowRule:
     # `floor` (each pads its own input): on an AMD EPYC with avx512_bf16 only smollm2's down_proj (K = 1536)
     # gives a 1-row product other bits, so a decode step runs on 1 row and that one product on 2.
     linear_floors: tuple[tuple[int, int, int], ...] = ()
+    # Attention's kernel: "tiles" (tether/model/tiles.py, batched ATen ops over (tile, key block) pairs) or
+    # "rowattn" (tether/model/rowattn.py, our C kernel, one row at a time in a fixed order: no tiles to pad).
+    attention: str = "tiles"
 
     def __post_init__(self) -> None:   # a rule read back from JSON has lists: one spelling, one str()
         object.__setattr__(self, "linear_floors", tuple(sorted(tuple(f) for f in self.linear_floors)))
@@ -94,6 +97,8 @@ class RowRule:
             rows += f", tiles padded to {self.tile_unit} rows per thread"
         for i, o, n in self.linear_floors:
             rows += f", {i}->{o} products on at least {n} rows"
+        if self.attention != "tiles":
+            rows += f", {self.attention} attention"
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
 
 

@@ -21,6 +21,7 @@ from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
 from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
+from tether.model.rowattn import RowAttentionPlan
 from tether.model.tiles import AttentionPlan, Scratch
 
 
@@ -239,8 +240,11 @@ class ModelSlice(nn.Module):
         rows = inputs.shape[0]
         with invariant_threads(rows, self.rows, wide):
             padded = padded_rows(rows, self.rows)
-            plan = AttentionPlan.build(slots, padded, self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
-                                       self.scratch, self.rows)   # built once per step, shared by every layer
+            heads, kv_heads = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+            # built once per step, shared by every layer
+            plan: Attend = (RowAttentionPlan.build(slots, padded, heads, kv_heads, self.scratch)
+                            if self.rows.attention == "rowattn" else
+                            AttentionPlan.build(slots, padded, heads, kv_heads, self.scratch, self.rows))
             return self.run_layers(inputs, slots, padded, plan)
 
     def run_layers(self, inputs: torch.Tensor, slots: list[SlotRows], padded: int, plan: Attend) -> torch.Tensor:

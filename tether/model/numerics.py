@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import xxhash
 
 from tether import settings
-from tether.model import probe_cache
+from tether.model import probe_cache, rowattn
 from tether.model.config import ModelConfig
 from tether.model.invariant import KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
@@ -78,6 +78,7 @@ BF16_KERNELS = ("onednn", "mkl")
 PADDED_SPANS = (1, 2, 3, 4, 5, 8)
 PADDED_WHOLE = 8
 HEAD_SPANS = (1, 2, 3)
+ATTENTIONS = ("tiles", "rowattn")   # RowRule.attention
 PADDED_LONG = 32
 
 def name_of(dtype: torch.dtype) -> str:
@@ -393,8 +394,17 @@ def onednn_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
 
 def rowdot_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     """fp32 linears on our own kernel (tether/model/rowdot.py), where it runs: invariant by construction, which
-    the probe checks like any other kernel's. None where it cannot be built here or a check fails."""
-    return unpadded_fp32_probe(cfg, dtype, "rowdot")
+    the probe checks like any other kernel's; with our row-at-a-time attention (tether/model/rowattn.py) where
+    its own check passes (then no tiles pad), else the tiles. None where it cannot be built here or a check
+    fails."""
+    rule = unpadded_fp32_probe(cfg, dtype, "rowdot")
+    if rule is None:
+        return None
+    threads = tuple(sorted({1, torch.get_num_threads()}))
+    if rowattn.holds(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, settings.ATTENTION_BLOCK,
+                     threads):
+        return dataclasses.replace(rule, tile_unit=None, attention="rowattn")
+    return rule
 
 
 def unpadded_fp32_probe(cfg: ModelConfig, dtype: torch.dtype, kernel: str) -> RowRule | None:
@@ -459,11 +469,15 @@ def holds_on(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule, threads: int) 
     """Whether `rule`'s kernels give the 1-thread bits on `threads` threads too, on every op class it checks."""
     if rule.unit is not None:
         return _padded_checks(cfg, dtype, rule.unit, threads)
+    tiles = rule.attention == "tiles"
     floors = _on_threads(threads, lambda: probe_floors(cfg, dtype, kernel=rule.linear,
-                                                       attention=rule.tile_unit is None))
+                                                       attention=tiles and rule.tile_unit is None))
     if floors is None or floors[0] > rule.floor or any(n > max(rule.floor, rule.linear_floor(i, o))
                                                        for i, o, n in floors[1]):
         return False
+    if not tiles:
+        return rowattn.holds(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             settings.ATTENTION_BLOCK, (1, threads))
     return rule.tile_unit is None or _padded_checks(cfg, dtype, rule.tile_unit, threads, _tiles_hold)
 
 
@@ -481,7 +495,8 @@ _LOCK = threading.Lock()
 
 # The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
 # makes a new key, so an answer found by other code is never read (no version number to forget to bump).
-_PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "rowdot.py", "kernels/rowdot.c")
+_PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "native.py", "rowdot.py", "rowattn.py",
+                "kernels/rowdot.c", "kernels/rowattn.c")
 
 
 @functools.lru_cache(maxsize=1)
@@ -503,6 +518,7 @@ def _is_rule(value: object) -> bool:
             for f in floors):
         return False
     return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
+            and value["attention"] in ATTENTIONS
             and (threads is None or (type(threads) is int and threads >= 1)) and linear in KERNELS
             and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))
 

@@ -11,7 +11,7 @@ from tether import settings
 from tether.model import invariant, numerics
 from tether.model.config import ModelConfig
 from tether.model.invariant import RowRule
-from tether.model import rowdot
+from tether.model import native
 from tether.model.loader import resolve_model
 
 
@@ -222,12 +222,13 @@ def test_rowdot_where_it_runs_is_invariant_from_one_row_on_its_own_checks():
     """Where rowdot builds (AVX2 and FMA, a C compiler), the probe finds it invariant from 1 row on every
     linear of the model: it is so by construction, and the probe is what says so, not the construction."""
     cfg = ModelConfig.from_folder(resolve_model("small"))
-    why = rowdot.available()
+    why = native.available()
     rule = numerics.rowdot_probe(cfg, torch.float32)
     if why is not None:
         assert rule is None, why
         return
     assert rule is not None and (rule.floor, rule.linear_floors, rule.linear) == (1, (), "rowdot")
+    assert (rule.attention, rule.tile_unit) == ("rowattn", None)   # our attention too: no tiles to pad
     assert numerics.choose_rule(cfg, torch.float32) == rule
 
 
@@ -250,19 +251,25 @@ def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
 
 @pytest.mark.parametrize("value, ok", [
     (None, True),
-    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, True),
-    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4, "linear_floors": [[1536, 576, 2]]}, True),
-    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
-    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
-    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None, "linear_floors": []}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True, "linear_floors": []}, False),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, True),
+    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4, "linear_floors": [[1536, 576, 2]], "attention": "tiles"}, True),
+    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
+    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
+    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True, "linear_floors": [], "attention": "tiles"}, False),
     ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl"}, False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576, 9]]},
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576, 9]], "attention": "tiles"},
      False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576]]},
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576]], "attention": "tiles"},
      False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": "2"}, False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": "2", "attention": "tiles"}, False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
+      "attention": "rowattn"}, True),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
+      "attention": "flash"}, False),
+    # a rule kept before attention was a field: probed again
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
     ([16, None], False), ("16", False),
 ])
 def test_a_rule_on_disk_is_checked_before_it_is_used(value, ok):

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tether.model import rowdot
+from tether.model import native, rowdot
 
-pytestmark = pytest.mark.skipif(rowdot.available() is not None, reason=f"rowdot does not run here: {rowdot.available()}")
+pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"our kernels do not run here: {native.available()}")
 
 # (in, out): smollm2's and tiny's linears, and shapes whose columns end mid-block or whose K is odd
 SHAPES = [(576, 576), (576, 192), (1536, 576), (576, 1536), (688, 256), (256, 688), (100, 37), (33, 17), (7, 1)]
@@ -59,7 +59,7 @@ def test_its_gate_is_silu_of_the_product():
 
 
 def test_it_refuses_what_it_cannot_compute():
-    with pytest.raises(rowdot.Unavailable, match="float32"):
+    with pytest.raises(native.Unavailable, match="float32"):
         rowdot.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
     p = rowdot.pack(torch.zeros(4, 8))
     with pytest.raises(ValueError, match="8 inputs"):
@@ -68,15 +68,15 @@ def test_it_refuses_what_it_cannot_compute():
 
 def test_without_a_compiler_it_is_unavailable_and_says_why(monkeypatch):
     monkeypatch.setenv("CC", "/bin/false")
-    rowdot._library.cache_clear()
+    native.library.cache_clear()
     try:
-        assert "failed to build" in (rowdot.available() or "")
-        with pytest.raises(rowdot.Unavailable):
+        assert "failed to build" in (native.available() or "")
+        with pytest.raises(native.Unavailable):
             rowdot.pack(torch.zeros(4, 4))
     finally:
         monkeypatch.undo()
-        rowdot._library.cache_clear()
-    assert rowdot.available() is None
+        native.library.cache_clear()
+    assert native.available() is None
 
 
 @pytest.mark.parametrize("inner, outer", [(576, 1536), (1536, 576), (256, 688), (100, 37)])

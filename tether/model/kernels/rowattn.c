@@ -1,0 +1,111 @@
+/* Attention one query row at a time, over the paged KV arena, in one fixed order: batch-invariant by
+ * construction (tether/model/rowattn.py says where it serves).
+ *
+ * For query row r of head h (kv head h / group), at position p, reading keys 0..p of its request:
+ *   s_j = dot(q, k_j) * scale        the dot over head_dim in 8 lanes, lane j accumulating d = j, j+8, ... in
+ *                                    order (one FMA chain each), then the lanes summed in one fixed tree
+ *   m   = max_j s_j                  exact in any order
+ *   e_j = exp(s_j - m)               one vector polynomial for every element (exp256 below)
+ *   l   = sum_j e_j                  8 lanes of j = lane, lane+8, ... in order, then the same fixed tree
+ *   o   = (sum_j e_j v_j) / l        one FMA chain per output element over j in order
+ * Nothing depends on the other rows of the call, on which thread computes a row, or on how a request's prompt
+ * was chunked (a key past p is never read), so prefill, chunked prefill and decode give a row the same bits.
+ *
+ * Built with -mavx2 -mfma -ffp-contract=off, like rowdot.c.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+/* The 8 lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)): one tree, whatever the vector held. */
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                       /* 0+4, 1+5, 2+6, 3+7 */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));       /* (0+4)+(2+6), (1+5)+(3+7) */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max), Cephes' polynomial: within 2 ulp of expf; inputs below -87
+ * give exp(-87) (a normal float), as the tiles clamp. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c1));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c2));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* d % 8 == 0 (rowattn.py checks) */
+static inline float dot(const float *a, const float *b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+}
+
+static void one_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
+                    int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out) {
+    int64_t ctx = pos + 1;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < ctx; j++) {
+        const float *k = kc + ((table[j / block] * kv_heads + kvh) * block + j % block) * d;
+        s[j] = dot(q, k, d) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    int64_t padded = (ctx + 7) / 8 * 8, full = ctx / 8 * 8;
+    for (int64_t j = ctx; j < padded; j++)
+        s[j] = m;                                   /* computed, never used */
+    __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        if (j < full)
+            lv = _mm256_add_ps(lv, e);
+    }
+    float l = hsum(lv);
+    for (int64_t j = full; j < ctx; j++)            /* the last, partial vector, in order */
+        l += s[j];
+    /* o = sum_j e_j v_j, 8 output elements per vector, up to 256 wide (rowattn.py checks d) */
+    __m256 acc[32];
+    for (int64_t i = 0; i < d / 8; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < ctx; j++) {
+        const float *v = vc + ((table[j / block] * kv_heads + kvh) * block + j % block) * d;
+        __m256 e = _mm256_set1_ps(s[j]);
+        for (int64_t i = 0; i < d / 8; i++)
+            acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    __m256 lv8 = _mm256_set1_ps(l);
+    for (int64_t i = 0; i < d / 8; i++)
+        _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], lv8));
+}
+
+/* q, out: [rows][heads][d]; kc, vc: one layer's arena [blocks][kv_heads][block][d]; row r at position pos[r]
+ * reads the blocks tables[first[r]], tables[first[r] + 1], ... (its request's, in position order); scratch:
+ * `threads` rows of `stride` floats. */
+void rowattn(const float *q, const float *kc, const float *vc, const int64_t *pos, const int64_t *first,
+             const int64_t *tables, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, int64_t block,
+             float scale, float *scratch, int64_t stride, float *out, int threads) {
+    int64_t group = heads / kv_heads, tasks = rows * heads;
+    #pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1)
+    {
+        float *s = scratch + omp_get_thread_num() * stride;   /* a row's scores: stride >= its context, padded to 8 */
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = t / heads, h = t % heads;
+            one_row(q + t * d, kc, vc, tables + first[r], pos[r], h / group, kv_heads, d, block, scale, s,
+                    out + t * d);
+        }
+    }
+}

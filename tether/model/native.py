@@ -1,0 +1,82 @@
+"""Our C kernels (tether/model/kernels/*.c: rowdot, rowattn), compiled on the machine that serves, once per
+source and flags, into the tether home, with the C compiler the machine has (`$CC`, `cc` or `gcc`), and loaded
+once per process. They need AVX2 and FMA; where they cannot be built (another CPU, no compiler, a failed build)
+`available()` says why, and the numerics probe, which decides what serves, chooses other kernels.
+
+OpenMP in them is torch's own libgomp (torch is imported first, and its libgomp.so.1 has the soname a built
+library asks for), so their threads are the pool torch's ops use on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its libgomp is the one the library binds to)
+import xxhash
+
+from tether.model.presets import tether_home
+
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rowdot.c", "rowattn.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
+NEEDS = frozenset({"avx2", "fma"})   # /proc/cpuinfo flags the built code runs on
+
+
+class Unavailable(RuntimeError):
+    """The kernels cannot run here (no AVX2/FMA, no compiler, a failed build): the probe skips them."""
+
+
+def _cpu_has() -> bool:
+    from tether.model.numerics import cpu_flags   # numerics imports the kernels
+    return NEEDS <= cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built into the tether home on first use (keyed by sources, compiler and flags: an
+    edit rebuilds), loaded once per process."""
+    if not _cpu_has():
+        raise Unavailable(f"the CPU lacks {', '.join(sorted(NEEDS))}")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise Unavailable("no C compiler (cc or gcc) to build them")
+    digest = xxhash.xxh3_64_hexdigest(b"".join(p.read_bytes() for p in SOURCES) + " ".join((cc, *FLAGS)).encode())
+    folder = tether_home() / "kernels"
+    path = folder / f"tether-kernels-{digest}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kernels-", suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                raise Unavailable(f"{cc} failed to build {', '.join(p.name for p in SOURCES)}: "
+                                  f"{done.stderr.strip()[-500:]}")
+            os.replace(tmp, path)   # atomic: processes building at once each install a whole library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.rowdot_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.rowdot_pack.restype = None
+    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
+    lib.rowdot.restype = None
+    lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
+    lib.rowattn.restype = None
+    return lib
+
+
+def available() -> str | None:
+    """None where the kernels run here, else why not."""
+    try:
+        library()
+    except (Unavailable, OSError) as e:
+        return str(e)
+    return None
