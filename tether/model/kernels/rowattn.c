@@ -54,15 +54,33 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return hsum(acc);
 }
 
+/* key (or value) j of the row's request, for its kv head */
+#define KEY(cache, j) ((cache) + ((table[(j) / block] * kv_heads + kvh) * block + (j) % block) * d)
+
 static void one_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
                     int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out) {
     int64_t ctx = pos + 1;
     float m = -INFINITY;
-    for (int64_t j = 0; j < ctx; j++) {
-        const float *k = kc + ((table[j / block] * kv_heads + kvh) * block + j % block) * d;
-        s[j] = dot(q, k, d) * scale;
-        m = s[j] > m ? s[j] : m;
+    int64_t j = 0;
+    for (; j + 4 <= ctx; j += 4) {   /* four keys' chains side by side (each the same chain as alone) */
+        const float *k0 = KEY(kc, j), *k1 = KEY(kc, j + 1), *k2 = KEY(kc, j + 2), *k3 = KEY(kc, j + 3);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        }
+        s[j] = hsum(a0) * scale;
+        s[j + 1] = hsum(a1) * scale;
+        s[j + 2] = hsum(a2) * scale;
+        s[j + 3] = hsum(a3) * scale;
     }
+    for (; j < ctx; j++)
+        s[j] = dot(q, KEY(kc, j), d) * scale;
+    for (j = 0; j < ctx; j++)
+        m = s[j] > m ? s[j] : m;
     int64_t padded = (ctx + 7) / 8 * 8, full = ctx / 8 * 8;
     for (int64_t j = ctx; j < padded; j++)
         s[j] = m;                                   /* computed, never used */
@@ -80,8 +98,8 @@ static void one_row(const float *q, const float *kc, const float *vc, const int6
     __m256 acc[32];
     for (int64_t i = 0; i < d / 8; i++)
         acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < ctx; j++) {
-        const float *v = vc + ((table[j / block] * kv_heads + kvh) * block + j % block) * d;
+    for (j = 0; j < ctx; j++) {
+        const float *v = KEY(vc, j);
         __m256 e = _mm256_set1_ps(s[j]);
         for (int64_t i = 0; i < d / 8; i++)
             acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
