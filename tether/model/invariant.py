@@ -152,7 +152,7 @@ class Kernel:
 # its prepare raises and the probe skips it)
 KERNELS = {"mkl": Kernel(torch.nn.functional.linear, mkl_silu_linear, _as_is),
            "onednn": Kernel(onednn_linear, onednn_silu_linear, onednn_pack, fused_silu=True),
-           "rowdot": Kernel(rowdot.linear, rowdot.silu_linear, rowdot.pack)}
+           "rowdot": Kernel(rowdot.linear, rowdot.silu_linear, rowdot.pack, fused_silu=True)}
 
 
 def padded_rows(rows: int, rule: RowRule, threads: int | None = None) -> int:

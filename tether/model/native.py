@@ -66,7 +66,7 @@ def library() -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.rowdot_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rowdot_pack.restype = None
-    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
+    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32]
     lib.rowdot.restype = None
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
     lib.rowattn.restype = None

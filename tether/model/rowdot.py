@@ -41,9 +41,9 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(out, n, k)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) over the last dimension of `x`, on torch's thread count (split by output columns);
-    every row's bits independent of the others and of the threads."""
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias; silu of the product where `silu`) over the last dimension of `x`, on torch's thread
+    count (split by output columns); every row's bits independent of the others and of the threads."""
     lib = native.library()
     lead, k = x.shape[:-1], x.shape[-1]
     if k != weight.in_features or x.dtype != torch.float32:
@@ -55,12 +55,15 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         lib.rowdot(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), k, y.data_ptr(), n, n, m,
-                   torch.get_num_threads())
+                   torch.get_num_threads(), int(silu))
     if bias is not None:
         y += bias
     return y.view(*lead, n)
 
 
 def silu_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ weight.T + bias): ATen's SiLU after the product (the probe sweeps its row counts)."""
-    return torch.nn.functional.silu(linear(x, weight, bias))
+    """silu(x @ weight.T), the SiLU fused into the kernel (one vector code for every element: ATen's SiLU takes
+    a scalar path for each thread chunk's tail, so its bits follow the tensor's size and the threads)."""
+    if bias is not None:   # a gate projection has none in the families we load (tether/model/llama.py)
+        raise ValueError("rowdot's fused SiLU takes no bias")
+    return linear(x, weight, silu=True)

@@ -30,7 +30,37 @@ void rowdot_pack(const float *w, int64_t n, int64_t k, float *out) {
     }
 }
 
-static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi) {
+/* exp(x), Cephes' polynomial (within 2 ulp of expf), inputs clamped to [-87, 88]; the same instructions for
+ * every element (rowattn.c has the same for x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* silu(x) = x / (1 + exp(-x)), element by element: fused here so that no ATen loop (whose scalar tails
+ * follow the tensor's size and the threads' chunks) touches the gate's outputs. */
+static inline __m256 silu8(__m256 x) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi, int act) {
+    if (act) {
+        lo = silu8(lo);
+        hi = silu8(hi);
+    }
     if (col + BLOCK <= n) {
         _mm256_storeu_ps(y + col, lo);
         _mm256_storeu_ps(y + col + 8, hi);
@@ -51,11 +81,11 @@ static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi)
         a##j = _mm256_fmadd_ps(xv, w0, a##j);                                                      \
         b##j = _mm256_fmadd_ps(xv, w1, b##j);                                                      \
     }
-#define OUT(j) if (R > j) store(y + j * ldy, col, n, a##j, b##j);
+#define OUT(j) if (R > j) store(y + j * ldy, col, n, a##j, b##j, act);
 
 static inline __attribute__((always_inline)) void
 rows_tile(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-          int64_t col, int64_t n) {
+          int64_t col, int64_t n, int act) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
     for (int64_t i = 0; i < k; i++) {
@@ -66,7 +96,7 @@ rows_tile(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, 
 }
 
 /* One row against 4 blocks (a decode step alone): 8 chains, 4 weight streams. */
-static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y, int64_t col, int64_t n) {
+static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y, int64_t col, int64_t n, int act) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     const float *p0 = wp, *p1 = wp + k * BLOCK, *p2 = wp + 2 * k * BLOCK, *p3 = wp + 3 * k * BLOCK;
     for (int64_t i = 0; i < k; i++) {
@@ -81,15 +111,15 @@ static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y
         a3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o), a3);
         b3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o + 8), b3);
     }
-    store(y, col, n, a0, b0);
-    store(y, col + BLOCK, n, a1, b1);
-    store(y, col + 2 * BLOCK, n, a2, b2);
-    store(y, col + 3 * BLOCK, n, a3, b3);
+    store(y, col, n, a0, b0, act);
+    store(y, col + BLOCK, n, a1, b1, act);
+    store(y, col + 2 * BLOCK, n, a2, b2, act);
+    store(y, col + 3 * BLOCK, n, a3, b3, act);
 }
 
 /* Two rows against 2 blocks: 8 chains where one block would give 4. */
 static void rows2_by_2_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                              int64_t col, int64_t n) {
+                              int64_t col, int64_t n, int act) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     const float *p0 = wp, *p1 = wp + k * BLOCK;
     for (int64_t i = 0; i < k; i++) {
@@ -106,59 +136,60 @@ static void rows2_by_2_blocks(const float *x, int64_t ldx, const float *wp, int6
         a3 = _mm256_fmadd_ps(x1, u1, a3);
         b3 = _mm256_fmadd_ps(x1, v1, b3);
     }
-    store(y, col, n, a0, b0);
-    store(y, col + BLOCK, n, a1, b1);
-    store(y + ldy, col, n, a2, b2);
-    store(y + ldy, col + BLOCK, n, a3, b3);
+    store(y, col, n, a0, b0, act);
+    store(y, col + BLOCK, n, a1, b1, act);
+    store(y + ldy, col, n, a2, b2, act);
+    store(y + ldy, col + BLOCK, n, a3, b3, act);
 }
 
 static void tile(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                 int64_t col, int64_t n) {
+                 int64_t col, int64_t n, int act) {
     switch (rows) {
-    case 6: rows_tile(6, x, ldx, wp, k, y, ldy, col, n); break;
-    case 5: rows_tile(5, x, ldx, wp, k, y, ldy, col, n); break;
-    case 4: rows_tile(4, x, ldx, wp, k, y, ldy, col, n); break;
-    case 3: rows_tile(3, x, ldx, wp, k, y, ldy, col, n); break;
-    case 2: rows_tile(2, x, ldx, wp, k, y, ldy, col, n); break;
-    default: rows_tile(1, x, ldx, wp, k, y, ldy, col, n); break;
+    case 6: rows_tile(6, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 5: rows_tile(5, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 4: rows_tile(4, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 3: rows_tile(3, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 2: rows_tile(2, x, ldx, wp, k, y, ldy, col, n, act); break;
+    default: rows_tile(1, x, ldx, wp, k, y, ldy, col, n, act); break;
     }
 }
 
 /* Rows [0, m) against column blocks [b0, b1): blocks outermost, so that a block's weights (K * 64 bytes) stay
  * in cache while every row passes over them, and are read from memory once per call. */
 static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                             int64_t n, int64_t m, int64_t b0, int64_t b1) {
+                             int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     int64_t b = b0;
     if (m == 1)   /* one or two rows: blocks side by side, for enough independent chains */
         for (; b + 4 <= b1; b += 4)
-            row_by_4_blocks(x, wp + b * k * BLOCK, k, y, b * BLOCK, n);
+            row_by_4_blocks(x, wp + b * k * BLOCK, k, y, b * BLOCK, n, act);
     if (m == 2)
         for (; b + 2 <= b1; b += 2)
-            rows2_by_2_blocks(x, ldx, wp + b * k * BLOCK, k, y, ldy, b * BLOCK, n);
+            rows2_by_2_blocks(x, ldx, wp + b * k * BLOCK, k, y, ldy, b * BLOCK, n, act);
     for (; b < b1; b++)
         for (int64_t r = 0; r < m; r += 6)
             tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp + b * k * BLOCK, k, y + r * ldy, ldy,
-                 b * BLOCK, n);
+                 b * BLOCK, n, act);
 }
 
 static void rowdot_range(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                         int64_t n, int64_t m, int64_t b0, int64_t b1) {
+                         int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
     for (int64_t r = 0; r < m; r += 64) {
         int64_t rows = m - r < 64 ? m - r : 64;
-        rows_over_blocks(x + r * ldx, ldx, wp, k, y + r * ldy, ldy, n, rows, b0, b1);
+        rows_over_blocks(x + r * ldx, ldx, wp, k, y + r * ldy, ldy, n, rows, b0, b1, act);
     }
 }
 
-/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T, w packed by rowdot_pack, on `threads` threads:
+/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed by rowdot_pack,
+ * on `threads` threads:
  * each takes a contiguous share of the column blocks (in fours, the one-row tile's width), and every block is
  * computed the same way whoever computes it. OpenMP here is torch's own libgomp (the same soname, already
  * loaded when this library is), so the threads are the pool torch's ops use on the calling thread. */
 void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
-            int64_t m, int threads) {
+            int64_t m, int threads, int act) {
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
     if (threads <= 1 || blocks < 8) {
-        rowdot_range(x, ldx, wp, k, y, ldy, n, m, 0, blocks);
+        rowdot_range(x, ldx, wp, k, y, ldy, n, m, 0, blocks, act);
         return;
     }
     #pragma omp parallel num_threads(threads)
@@ -168,6 +199,6 @@ void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, i
         share = (share + 3) / 4 * 4;
         int64_t b0 = t * share, b1 = b0 + share < blocks ? b0 + share : blocks;
         if (b0 < b1)
-            rowdot_range(x, ldx, wp, k, y, ldy, n, m, b0, b1);
+            rowdot_range(x, ldx, wp, k, y, ldy, n, m, b0, b1, act);
     }
 }
