@@ -2,6 +2,7 @@
 source and flags, into the tether home, with the C compiler the machine has (`$CC`, `cc` or `gcc`), and loaded
 once per process. They need AVX2 and FMA; where they cannot be built (another CPU, no compiler, a failed build)
 `available()` says why, and the numerics probe, which decides what serves, chooses other kernels.
+TETHER_NATIVE_KERNELS=0 turns them off (a side-by-side measurement, or a machine where they misbehave).
 
 OpenMP in them is torch's own libgomp (torch is imported first, and its libgomp.so.1 has the soname a built
 library asks for), so their threads are the pool torch's ops use on the calling thread.
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its libgomp is the one the library binds to)
 import xxhash
 
+from tether import settings
 from tether.model.presets import tether_home
 
 SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rowdot.c", "rowattn.c"))
@@ -40,6 +42,8 @@ def _cpu_has() -> bool:
 def library() -> ctypes.CDLL:
     """The compiled kernels, built into the tether home on first use (keyed by sources, compiler and flags: an
     edit rebuilds), loaded once per process."""
+    if os.environ.get(settings.NATIVE_KERNELS_ENV) == "0":
+        raise Unavailable(f"turned off ({settings.NATIVE_KERNELS_ENV}=0)")
     if not _cpu_has():
         raise Unavailable(f"the CPU lacks {', '.join(sorted(NEEDS))}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import xxhash
 
 from tether import settings
-from tether.model import probe_cache, rowattn
+from tether.model import native, probe_cache, rowattn
 from tether.model.config import ModelConfig
 from tether.model.invariant import KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
@@ -528,7 +528,10 @@ def _found(cfg: ModelConfig, dtype: torch.dtype, threads: int) -> RowRule | None
     def compute() -> dict[str, Any] | None:
         rule = choose_rule(cfg, dtype)
         return None if rule is None else dataclasses.asdict(with_thread_cap(cfg, dtype, rule))
-    answer = probe_cache.cached(probe_cache.key(_code_digest(), cfg, dtype, threads), compute, _is_rule)
+    # whether our C kernels run here is part of the key: an answer that names them is never read where they
+    # cannot be built, or are turned off
+    code = _code_digest() + ("+native" if native.available() is None else "")
+    answer = probe_cache.cached(probe_cache.key(code, cfg, dtype, threads), compute, _is_rule)
     return None if answer is None else RowRule(**answer)
 
 

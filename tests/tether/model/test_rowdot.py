@@ -108,3 +108,23 @@ def test_a_row_has_the_same_bits_on_every_thread_count(inner, outer):
                 assert torch.equal(rowdot.linear(x[:m], p), want[:m]), f"{m} rows on {threads} threads"
     finally:
         torch.set_num_threads(before)
+
+
+def test_turned_off_they_are_unavailable_and_the_probe_chooses_without_them(monkeypatch):
+    from tether import settings
+    from tether.model import numerics
+    from tether.model.config import ModelConfig
+    from tether.model.loader import resolve_model
+    cfg = ModelConfig.from_folder(resolve_model("tiny"))
+    monkeypatch.setenv(settings.NATIVE_KERNELS_ENV, "0")
+    native.library.cache_clear()
+    numerics._found.cache_clear()
+    try:
+        assert "turned off" in (native.available() or "")
+        rule = numerics.servable_rule(cfg, torch.float32)   # not the cached answer that names rowdot
+        assert rule is not None and rule.linear != "rowdot" and rule.attention == "tiles"
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+        numerics._found.cache_clear()
+    assert numerics.servable_rule(cfg, torch.float32).linear == "rowdot"
