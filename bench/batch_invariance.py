@@ -27,7 +27,6 @@ from tether.model.llama import ModelSlice, SlotRows
 from tether.model import dtypes, numerics
 from tether.model.loader import load_slice, resolve_model
 from tether.model.plain import PlainSlice
-from tether.model.tiles import AttentionPlan
 
 Model = ModelSlice | PlainSlice   # the invariant kernels, or the plain ones over the same weights
 
@@ -95,24 +94,25 @@ def _decode_slot(model: Model, context: int) -> list[SlotRows]:
 
 @torch.inference_mode()
 def breakdown(plain: PlainSlice, inv: ModelSlice, context: int, repeats: int) -> dict[str, float]:
-    """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats):
-    the invariant kernels' extra cost is the GEMMs at 4*T rows instead of 1, tiles instead of SDPA, and the plan."""
+    """A batch-1 decode step's pieces, each as a share of the plain step (medians of interleaved repeats): the
+    rule's linears as served (padded rows, its kernel) against F.linear at 1 row, its attention (tiles or
+    rowattn) against SDPA, and the plan."""
     cfg, rows = inv.cfg, padded_rows(1, inv.rows)
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     si, sp = _decode_slot(inv, context), _decode_slot(plain, context)
-    plan = AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.rows)
+    plan = inv.attention_plan(si, rows)
     q, k = torch.randn(rows, heads, d).to(inv.dtype), torch.randn(rows, kv_heads, d).to(inv.dtype)
-    linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in inv.modules() if isinstance(m, torch.nn.Linear)]   # tether's Linear: the rule's kernel
     xs = [torch.randn(rows, m.in_features).to(inv.dtype) for m in linears]
     per_slot, layers = plain.attention(sp), range(cfg.num_hidden_layers)
     pieces = {
         "step, plain": lambda: plain.logits(plain(torch.tensor([5]), sp)),
         "step, invariant": lambda: inv.logits(inv(torch.tensor([5]), si)),
-        f"linears at {rows} rows": lambda: [F.linear(x, m.weight) for x, m in zip(xs, linears)],
-        "linears at 1 row": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
-        "tile attention, every layer": lambda: [plan.attend(q, k, k, 0) for _ in layers],
+        f"linears as served ({inv.rows.linear}, {rows} rows)": lambda: [m(x) for x, m in zip(xs, linears)],
+        "linears plain (F.linear, 1 row)": lambda: [F.linear(x[:1], m.weight) for x, m in zip(xs, linears)],
+        f"attention as served ({inv.rows.attention}), every layer": lambda: [plan.attend(q, k, k, 0) for _ in layers],
         "SDPA per request, every layer": lambda: [per_slot.attend(q[:1], k[:1], k[:1], 0) for _ in layers],
-        "attention plan": lambda: AttentionPlan.build(si, rows, heads, kv_heads, inv.scratch, inv.rows),
+        "attention plan": lambda: inv.attention_plan(si, rows),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}
     for _ in range(repeats + 1):   # the first round warms up

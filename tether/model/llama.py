@@ -240,12 +240,15 @@ class ModelSlice(nn.Module):
         rows = inputs.shape[0]
         with invariant_threads(rows, self.rows, wide):
             padded = padded_rows(rows, self.rows)
-            heads, kv_heads = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-            # built once per step, shared by every layer
-            plan: Attend = (RowAttentionPlan.build(slots, padded, heads, kv_heads, self.scratch)
-                            if self.rows.attention == "rowattn" else
-                            AttentionPlan.build(slots, padded, heads, kv_heads, self.scratch, self.rows))
-            return self.run_layers(inputs, slots, padded, plan)
+            return self.run_layers(inputs, slots, padded, self.attention_plan(slots, padded))
+
+    def attention_plan(self, slots: list[SlotRows], padded: int) -> Attend:
+        """The micro-batch's attention by the rule's kernel (tiles or rowattn), built once per step and shared
+        by every layer."""
+        heads, kv_heads = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+        if self.rows.attention == "rowattn":
+            return RowAttentionPlan.build(slots, padded, heads, kv_heads, self.scratch)
+        return AttentionPlan.build(slots, padded, heads, kv_heads, self.scratch, self.rows)
 
     def run_layers(self, inputs: torch.Tensor, slots: list[SlotRows], padded: int, plan: Attend) -> torch.Tensor:
         """The embedding (first stage) and the layers over `inputs` padded to `padded` rows, attention by
