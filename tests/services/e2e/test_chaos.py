@@ -176,7 +176,12 @@ def _cluster(tmp_path, stages: int, stage_faults: str = "", coordinator_faults: 
              unsafe: bool = False, max_rebuilds: int = 8) -> LocalCluster:
     # A dropped frame is noticed by its timeout: 1.5 s, not the 30 s default, as the drop and reorder runs meet
     # several (a tiny frame takes milliseconds, so a late reply under load is not mistaken for a lost one).
-    extra = {"coordinator": ["--frame-timeout", "1.5", "--max-rebuilds", str(max_rebuilds)], "stage": []}
+    # One micro-batch per stage, never one alone (--alone-max-requests 0): alone, all 12 requests ride one frame,
+    # so every seeded drop hits all of them, rebuild frames included, and which frames the seed hits follows
+    # the machine's speed (on a slow hour every request spent its rebuild budget: exact 0 of 12, at 381ea03's
+    # successor ab3e02f too). The figures below were measured with two micro-batches in flight.
+    extra = {"coordinator": ["--frame-timeout", "1.5", "--max-rebuilds", str(max_rebuilds), "--alone-max-requests",
+                             "0"], "stage": []}
     if stage_faults:
         extra["stage"] += ["--faults", stage_faults]
     if coordinator_faults:
