@@ -24,7 +24,9 @@ import xxhash
 from tether import settings
 from tether.model.presets import tether_home
 
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("rowdot.c", "rowattn.c"))
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowattn.c")
+HEADERS = (KERNELS / "vecmath.h",)   # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma"})   # /proc/cpuinfo flags the built code runs on
 
@@ -49,7 +51,7 @@ def library() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise Unavailable("no C compiler (cc or gcc) to build them")
-    digest = xxhash.xxh3_64_hexdigest(b"".join(p.read_bytes() for p in SOURCES) + " ".join((cc, *FLAGS)).encode())
+    digest = xxhash.xxh3_64_hexdigest(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join((cc, *FLAGS)).encode())
     folder = tether_home() / "kernels"
     path = folder / f"tether-kernels-{digest}.so"
     if not path.exists():

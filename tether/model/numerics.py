@@ -1,8 +1,10 @@
 """Which numerics this machine serves a model in: `--dtype auto` resolved, once per process.
 
 bfloat16 where the CPU computes it natively and a start-up probe on the model's own shapes finds every op
-class row-count- and thread-invariant without padding, from some small floor of rows on; float32 padded
-otherwise. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
+class row-count- and thread-invariant without padding, from some small floor of rows on; float32 otherwise,
+on our own C kernels where they build and the probe passes them (rowdot linears and rowattn attention: one
+fixed-order chain per output, unpadded; on an AMD EPYC without AVX-512 a decode step 3x faster than MKL padded
+to 4), else padded. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
 row bits for every row count >= 2 and thread count, where fp32 MKL changes them at M = 2, 4, ...; but a 1-row
 product over K = 1536 (smollm2's down_proj) differs on ~10% of rows, so that product runs on at least 2 rows
 (`probe_floors` returns each linear shape's floor apart from the rest's). On a CPU without native bf16 dot
@@ -496,7 +498,7 @@ _LOCK = threading.Lock()
 # The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
 # makes a new key, so an answer found by other code is never read (no version number to forget to bump).
 _PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "native.py", "rowdot.py", "rowattn.py",
-                "kernels/rowdot.c", "kernels/rowattn.c")
+                "kernels/rowdot.c", "kernels/rowattn.c", "kernels/vecmath.h")
 
 
 @functools.lru_cache(maxsize=1)

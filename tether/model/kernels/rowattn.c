@@ -5,7 +5,7 @@
  *   s_j = dot(q, k_j) * scale        the dot over head_dim in 8 lanes, lane j accumulating d = j, j+8, ... in
  *                                    order (one FMA chain each), then the lanes summed in one fixed tree
  *   m   = max_j s_j                  exact in any order
- *   e_j = exp(s_j - m)               one vector polynomial for every element (exp256 below)
+ *   e_j = exp(s_j - m)               one vector polynomial for every element (vecmath.h's exp8)
  *   l   = sum_j e_j                  8 lanes of j = lane, lane+8, ... in order, then the same fixed tree
  *   o   = (sum_j e_j v_j) / l        one FMA chain per output element over j in order
  * Nothing depends on the other rows of the call, on which thread computes a row, or on how a request's prompt
@@ -18,32 +18,14 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "vecmath.h"
+
 /* The 8 lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)): one tree, whatever the vector held. */
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     __m128 s = _mm_add_ps(lo, hi);                       /* 0+4, 1+5, 2+6, 3+7 */
     __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));       /* (0+4)+(2+6), (1+5)+(3+7) */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-/* exp(x) for x <= 0 (a score minus its row's max), Cephes' polynomial: within 2 ulp of expf; inputs below -87
- * give exp(-87) (a normal float), as the tiles clamp. */
-static inline __m256 exp256(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c1));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, c2));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* d % 8 == 0 (rowattn.py checks) */
@@ -86,7 +68,7 @@ static void one_row(const float *q, const float *kc, const float *vc, const int6
         s[j] = m;                                   /* computed, never used */
     __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
         _mm256_storeu_ps(s + j, e);
         if (j < full)
             lv = _mm256_add_ps(lv, e);
