@@ -17,7 +17,7 @@ import torch
 from tether.kv.paged import BlockArena, long_tensor
 from tether.mathutil import ceil_div
 from tether.model import native
-from tether.model.tiles import Scratch
+from tether.model.tiles import Scratch, new_key_rows
 
 MAX_HEAD_DIM = 256   # the kernel keeps a row's output in 32 vectors of 8
 
@@ -47,17 +47,12 @@ class RowAttentionPlan:
         if not supports(arena.head_dim) or heads % kv_heads or arena.dtype != torch.float32:
             raise ValueError(f"rowattn needs float32, head_dim a multiple of 8 up to {MAX_HEAD_DIM} and whole "
                              f"query groups; got {arena.dtype}, head_dim {arena.head_dim}, {heads}/{kv_heads} heads")
-        blocks: list[int] = []
-        offsets: list[int] = []
+        write_rows = new_key_rows(slots, arena)
         tables: list[int] = []
         tags: list[int] = []
         positions: list[int] = []
         first: list[int] = []
         for s in slots:
-            s.kv.prepare_write(s.start, s.length)
-            b, o = s.kv.locate(s.start, s.start + s.length)
-            blocks += b
-            offsets += o
             seen = ceil_div(s.start + s.length, arena.block)
             if len(s.kv.blocks) < seen:
                 raise RuntimeError("a row's keys are past its KV blocks (ensure() was not called)")
@@ -72,7 +67,7 @@ class RowAttentionPlan:
         n = len(tables)
         table_t, tag_t = cols[:n], cols[n:2 * n]
         arena.verify(table_t, tag_t)
-        return cls(arena, scratch, rows, arena.flat_rows(blocks, offsets), cols[2 * n:2 * n + padded],
+        return cls(arena, scratch, rows, write_rows, cols[2 * n:2 * n + padded],
                    cols[2 * n + padded:], table_t, max(positions) + 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:

@@ -133,6 +133,19 @@ class TileBatch:
                    pair_tile, pair_block, q_index.index_select(0, pair_tile).flatten(), hidden.unsqueeze(1))
 
 
+def new_key_rows(slots, arena: BlockArena) -> torch.Tensor:
+    """Ready every slot's KV for its rows (`prepare_write`) and return the rows of the arena's flat K/V its new
+    keys go to, slot after slot: what a step's attention plan writes, whichever kernel attends."""
+    blocks: list[int] = []
+    offsets: list[int] = []
+    for s in slots:
+        s.kv.prepare_write(s.start, s.length)
+        b, o = s.kv.locate(s.start, s.start + s.length)
+        blocks += b
+        offsets += o
+    return arena.flat_rows(blocks, offsets)
+
+
 @dataclass
 class AttentionPlan:
     """Everything a micro-batch's attention needs besides q/k/v; built once per step, used by every layer."""
@@ -154,12 +167,9 @@ class AttentionPlan:
         head_dim = arena.head_dim
         block = arena.block
         by_count: dict[int, list[Tile]] = {}
-        blocks, offsets, row = [], [], 0
+        row = 0
+        write_rows = new_key_rows(slots, arena)
         for s in slots:
-            s.kv.prepare_write(s.start, s.length)
-            b, o = s.kv.locate(s.start, s.start + s.length)
-            blocks += b
-            offsets += o
             for first in range(0, s.length, block):
                 t = Tile(row + first, s.start + first, min(block, s.length - first), s.kv)
                 by_count.setdefault(t.count, []).append(t)
@@ -180,7 +190,7 @@ class AttentionPlan:
             batches.append(TileBatch.build(tiles[start:], heads, kv_heads, arena, rule))
         layout = tuple((b.count, b.height, b.rows) for b in batches)
         out_index, outputs = output_rows(padded, heads, kv_heads, block, layout)
-        return cls(arena, scratch, row, arena.flat_rows(blocks, offsets), batches, out_index, outputs)
+        return cls(arena, scratch, row, write_rows, batches, out_index, outputs)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """One layer's attention for the micro-batch (`tile_attention`): [padded rows, heads * d]."""
