@@ -65,6 +65,9 @@ class RowRule:
     # Attention's kernel: "tiles" (tether/model/tiles.py, batched ATen ops over (tile, key block) pairs) or
     # "rowattn" (tether/model/rowattn.py, our C kernel, one row at a time in a fixed order: no tiles to pad).
     attention: str = "tiles"
+    # How a layer runs: "modules" (torch's modules above, op by op, on the kernels named here) or "rowlayer"
+    # (tether/model/rowlayer.py: a step's layers in one C call, on rowdot and rowattn; its own norm and RoPE).
+    layers: str = "modules"
 
     def __post_init__(self) -> None:   # a rule read back from JSON has lists: one spelling, one str()
         object.__setattr__(self, "linear_floors", tuple(sorted(tuple(f) for f in self.linear_floors)))
@@ -99,6 +102,8 @@ class RowRule:
             rows += f", {i}->{o} products on at least {n} rows"
         if self.attention != "tiles":
             rows += f", {self.attention} attention"
+        if self.layers != "modules":
+            rows += f", {self.layers} layers"
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
 
 

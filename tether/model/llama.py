@@ -11,7 +11,7 @@ measures this against are tether/model/plain.py, which serving never imports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
+from tether.model import rowlayer
 from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.rowattn import RowAttentionPlan
@@ -52,9 +53,10 @@ class Linear(nn.Linear):
     # (kernel, the weight it was made from, that weight's version, the prepared weight). Holding the weight
     # itself, not its address, so that a weight replaced by another at a reused address is never mistaken
     # for it; an inference tensor keeps no version (and cannot change outside inference mode).
-    _prepared: tuple[str, torch.Tensor, int, torch.Tensor] | None = None
+    _prepared: tuple[str, torch.Tensor, int, Any] | None = None
 
-    def prepared_weight(self) -> torch.Tensor:
+    def prepared_weight(self) -> Any:
+        """The weight as the kernel reads it (a tensor, oneDNN's packed tensor, rowdot's PackedWeight)."""
         w = self.weight
         version = -1 if w.is_inference() else w._version
         p = self._prepared
@@ -186,6 +188,7 @@ class ModelSlice(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.arena: BlockArena | None = None   # paged KV of every request on this slice (made on first use)
         self.scratch = Scratch()                # attention's buffers, reused step to step (one step at a time)
+        self._stack: tuple[tuple[torch.Tensor | None, ...], rowlayer.Stack] | None = None   # RowRule.layers "rowlayer"
         self.to(dtype)
         self.requires_grad_(False)
         self.use_linear_kernel(self.rows.linear, self.rows)
@@ -258,14 +261,46 @@ class ModelSlice(nn.Module):
             pad_rows(inputs.to(self.dtype), padded)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in slots])
         cos, sin = self.rotary.cos_sin(pad_rows(positions, padded), self.dtype)
+        if self.rows.layers == "rowlayer" and isinstance(plan, RowAttentionPlan):   # (not the plain baseline's)
+            assert padded == rows, "rowlayer runs unpadded"
+            # the kernel updates x in place: never the caller's tensor
+            x = x.clone(memory_format=torch.contiguous_format) if self.embed_tokens is None else x.contiguous()
+            arena = plan.arena
+            return self.layer_stack().run(x, arena.k, arena.v, cos, sin, plan.write_rows, plan.positions,
+                                          plan.first, plan.tables, plan.context, self.scratch)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, plan)
         return x[:rows]
+
+    def layer_stack(self) -> rowlayer.Stack:
+        """The layers as kernels/rowlayer.c reads them, made again whenever a weight's prepared form is new (a
+        load, a kernel switch)."""
+        layers = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            a, m = layer.self_attn, layer.mlp
+            layers.append(rowlayer.Layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                tuple(p.prepared_weight() for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                                    m.up_proj, m.down_proj)),
+                tuple(p.bias for p in (a.q_proj, a.k_proj, a.v_proj))))
+        # the parameters themselves (not detached views, new objects every call) and the prepared weights
+        key = tuple(t for layer in layers for t in (layer.ln1, layer.ln2, *(p.data for p in layer.projections),
+                                                     *layer.biases))
+        if self._stack is None or len(self._stack[0]) != len(key) or any(
+                a is not b for a, b in zip(self._stack[0], key)):
+            c = self.cfg
+            shape = rowlayer.Shape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   c.intermediate_size, settings.ATTENTION_BLOCK, c.rms_norm_eps, c.head_dim ** -0.5)
+            self._stack = (key, rowlayer.Stack(shape, layers))
+        return self._stack[1]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, wide: int = 0) -> torch.Tensor:
         """Final norm and LM head over some rows (the last stage only); float32 logits (`wide`: as forward)."""
         rows = hidden.shape[0]
         with invariant_threads(rows, self.rows, wide):
+            if self.rows.layers == "rowlayer":   # the layers' own norm
+                return self.lm_head(rowlayer.norm(hidden, self.norm.weight, self.norm.eps)).float()
             return self.lm_head(self.norm(pad_rows(hidden, padded_rows(rows, self.rows))))[:rows].float()

@@ -1,4 +1,4 @@
-"""Our C kernels (tether/model/kernels/*.c: rowdot, rowattn), compiled on the machine that serves, once per
+"""Our C kernels (tether/model/kernels/*.c: rowdot, rowattn, rowlayer), compiled on the machine that serves, once per
 source and flags, into the tether home, with the C compiler the machine has (`$CC`, `cc` or `gcc`), and loaded
 once per process. They need AVX2 and FMA; where they cannot be built (another CPU, no compiler, a failed build)
 `available()` says why, and the numerics probe, which decides what serves, chooses other kernels.
@@ -25,8 +25,8 @@ from tether import settings
 from tether.model.presets import tether_home
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowattn.c")
-HEADERS = (KERNELS / "vecmath.h",)   # included by the sources: part of the build's key
+SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
+HEADERS = (KERNELS / "vecmath.h", KERNELS / "rows.h")   # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma"})   # /proc/cpuinfo flags the built code runs on
 
@@ -76,6 +76,12 @@ def library() -> ctypes.CDLL:
     lib.rowdot.restype = None
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
     lib.rowattn.restype = None
+    lib.rowlayer_work.argtypes = [ptr, i64]
+    lib.rowlayer_work.restype = i64
+    lib.rownorm.argtypes = [ptr, ptr, i64, i64, f32, ptr]
+    lib.rownorm.restype = None
+    lib.rowlayers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32]
+    lib.rowlayers.restype = None
     return lib
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import xxhash
 
 from tether import settings
-from tether.model import native, probe_cache, rowattn
+from tether.model import native, probe_cache, rowattn, rowlayer
 from tether.model.config import ModelConfig
 from tether.model.invariant import KERNELS, RowRule, threads_for
 from tether.model.dtypes import AUTO, CHOICES, NAMES
@@ -81,6 +81,7 @@ PADDED_SPANS = (1, 2, 3, 4, 5, 8)
 PADDED_WHOLE = 8
 HEAD_SPANS = (1, 2, 3)
 ATTENTIONS = ("tiles", "rowattn")   # RowRule.attention
+LAYERS = ("modules", "rowlayer")    # RowRule.layers
 PADDED_LONG = 32
 
 def name_of(dtype: torch.dtype) -> str:
@@ -403,10 +404,20 @@ def rowdot_probe(cfg: ModelConfig, dtype: torch.dtype) -> RowRule | None:
     if rule is None:
         return None
     threads = tuple(sorted({1, torch.get_num_threads()}))
-    if rowattn.holds(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, settings.ATTENTION_BLOCK,
-                     threads):
-        return dataclasses.replace(rule, tile_unit=None, attention="rowattn")
+    if not rowattn.holds(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, settings.ATTENTION_BLOCK,
+                         threads):
+        return rule
+    rule = dataclasses.replace(rule, tile_unit=None, attention="rowattn")
+    if _layers_hold(cfg, threads):
+        return dataclasses.replace(rule, layers="rowlayer")
     return rule
+
+
+def _layers_hold(cfg: ModelConfig, threads: tuple[int, ...]) -> bool:
+    """Whether whole layers in one call (tether/model/rowlayer.py) give every row the same bits however the
+    rows are windowed and on each of `threads`."""
+    return rowlayer.holds(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                          cfg.head_dim, settings.ATTENTION_BLOCK, threads)
 
 
 def unpadded_fp32_probe(cfg: ModelConfig, dtype: torch.dtype, kernel: str) -> RowRule | None:
@@ -477,6 +488,8 @@ def holds_on(cfg: ModelConfig, dtype: torch.dtype, rule: RowRule, threads: int) 
     if floors is None or floors[0] > rule.floor or any(n > max(rule.floor, rule.linear_floor(i, o))
                                                        for i, o, n in floors[1]):
         return False
+    if rule.layers == "rowlayer" and not _layers_hold(cfg, (1, threads)):
+        return False
     if not tiles:
         return rowattn.holds(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              settings.ATTENTION_BLOCK, (1, threads))
@@ -498,7 +511,8 @@ _LOCK = threading.Lock()
 # The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
 # makes a new key, so an answer found by other code is never read (no version number to forget to bump).
 _PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "native.py", "rowdot.py", "rowattn.py",
-                "kernels/rowdot.c", "kernels/rowattn.c", "kernels/vecmath.h")
+                "rowlayer.py", "kernels/rowdot.c", "kernels/rowattn.c", "kernels/rowlayer.c", "kernels/vecmath.h",
+                "kernels/rows.h")
 
 
 @functools.lru_cache(maxsize=1)
@@ -520,7 +534,7 @@ def _is_rule(value: object) -> bool:
             for f in floors):
         return False
     return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
-            and value["attention"] in ATTENTIONS
+            and value["attention"] in ATTENTIONS and value["layers"] in LAYERS
             and (threads is None or (type(threads) is int and threads >= 1)) and linear in KERNELS
             and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))
 

@@ -229,6 +229,7 @@ def test_rowdot_where_it_runs_is_invariant_from_one_row_on_its_own_checks():
         return
     assert rule is not None and (rule.floor, rule.linear_floors, rule.linear) == (1, (), "rowdot")
     assert (rule.attention, rule.tile_unit) == ("rowattn", None)   # our attention too: no tiles to pad
+    assert rule.layers == "rowlayer"                                # and whole layers in one call
     assert numerics.choose_rule(cfg, torch.float32) == rule
 
 
@@ -251,25 +252,33 @@ def test_the_onednn_rule_it_finds_holds_on_its_own_checks():
 
 @pytest.mark.parametrize("value, ok", [
     (None, True),
-    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, True),
-    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4, "linear_floors": [[1536, 576, 2]], "attention": "tiles"}, True),
-    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
-    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
-    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None, "linear_floors": [], "attention": "tiles"}, False),
-    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True, "linear_floors": [], "attention": "tiles"}, False),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles", "layers": "modules"}, True),
+    ({"unit": None, "floor": 2, "threads": 1, "linear": "onednn", "tile_unit": 4, "linear_floors": [[1536, 576, 2]], "attention": "tiles", "layers": "modules"}, True),
+    ({"unit": 5, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles", "layers": "modules"}, False),
+    ({"unit": None, "floor": 0, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles", "layers": "modules"}, False),
+    ({"unit": None, "floor": 2, "threads": 0, "linear": "mkl", "tile_unit": None, "linear_floors": [], "attention": "tiles", "layers": "modules"}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "blas", "tile_unit": None, "linear_floors": [], "attention": "tiles", "layers": "modules"}, False),
+    ({"unit": None, "floor": 2, "threads": None, "linear": "onednn", "tile_unit": True, "linear_floors": [], "attention": "tiles", "layers": "modules"}, False),
     ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl"}, False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576, 9]], "attention": "tiles"},
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576, 9]], "attention": "tiles", "layers": "modules"},
      False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576]], "attention": "tiles"},
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": [[1536, 576]], "attention": "tiles", "layers": "modules"},
      False),
-    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": "2", "attention": "tiles"}, False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "onednn", "tile_unit": None, "linear_floors": "2", "attention": "tiles", "layers": "modules"}, False),
     ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
-      "attention": "rowattn"}, True),
+      "attention": "rowattn", "layers": "modules"}, True),
     ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
-      "attention": "flash"}, False),
+      "attention": "rowattn", "layers": "rowlayer"}, True),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
+      "attention": "flash", "layers": "modules"}, False),
+    ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
+      "attention": "rowattn", "layers": "graph"}, False),
+    # a rule kept before layers was a field: probed again
+    ({"unit": None, "floor": 1, "threads": None, "linear": "rowdot", "tile_unit": None, "linear_floors": [],
+      "attention": "rowattn"}, False),
     # a rule kept before attention was a field: probed again
-    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": []}, False),
+    ({"unit": 16, "floor": 1, "threads": None, "linear": "mkl", "tile_unit": None, "linear_floors": [],
+      "layers": "modules"}, False),
     ([16, None], False), ("16", False),
 ])
 def test_a_rule_on_disk_is_checked_before_it_is_used(value, ok):

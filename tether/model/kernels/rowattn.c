@@ -18,15 +18,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "rows.h"
 #include "vecmath.h"
-
-/* The 8 lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)): one tree, whatever the vector held. */
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_add_ps(lo, hi);                       /* 0+4, 1+5, 2+6, 3+7 */
-    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));       /* (0+4)+(2+6), (1+5)+(3+7) */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
 /* d % 8 == 0 (rowattn.py checks) */
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -39,7 +32,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 /* key (or value) j of the row's request, for its kv head */
 #define KEY(cache, j) ((cache) + ((table[(j) / block] * kv_heads + kvh) * block + (j) % block) * d)
 
-static void one_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
+void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
                     int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out) {
     int64_t ctx = pos + 1;
     float m = -INFINITY;
@@ -104,7 +97,7 @@ void rowattn(const float *q, const float *kc, const float *vc, const int64_t *po
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / heads, h = t % heads;
-            one_row(q + t * d, kc, vc, tables + first[r], pos[r], h / group, kv_heads, d, block, scale, s,
+            rowattn_row(q + t * d, kc, vc, tables + first[r], pos[r], h / group, kv_heads, d, block, scale, s,
                     out + t * d);
         }
     }

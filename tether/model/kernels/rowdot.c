@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows.h"
 #include "vecmath.h"
 
 #define BLOCK 16
@@ -154,8 +155,8 @@ static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64
                  b * BLOCK, n, act);
 }
 
-static void rowdot_range(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                         int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
+void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                   int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
     for (int64_t r = 0; r < m; r += 64) {
         int64_t rows = m - r < 64 ? m - r : 64;
@@ -172,7 +173,7 @@ void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, i
             int64_t m, int threads, int act) {
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
     if (threads <= 1 || blocks < 8) {
-        rowdot_range(x, ldx, wp, k, y, ldy, n, m, 0, blocks, act);
+        rowdot_blocks(x, ldx, wp, k, y, ldy, n, m, 0, blocks, act);
         return;
     }
     #pragma omp parallel num_threads(threads)
@@ -182,6 +183,6 @@ void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, i
         share = (share + 3) / 4 * 4;
         int64_t b0 = t * share, b1 = b0 + share < blocks ? b0 + share : blocks;
         if (b0 < b1)
-            rowdot_range(x, ldx, wp, k, y, ldy, n, m, b0, b1, act);
+            rowdot_blocks(x, ldx, wp, k, y, ldy, n, m, b0, b1, act);
     }
 }

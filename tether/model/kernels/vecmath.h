@@ -1,4 +1,4 @@
-/* Vector math our kernels share (rowdot.c, rowattn.c): the same instructions for every element, so an
+/* Vector math our kernels share (rowdot.c, rowattn.c, rowlayer.c): the same instructions for every element, so an
  * element's result never depends on where it sits in a tensor or which thread computes it. */
 #ifndef TETHER_VECMATH_H
 #define TETHER_VECMATH_H
@@ -21,6 +21,14 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* The 8 lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)): one tree, whatever the vector held. */
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                       /* 0+4, 1+5, 2+6, 3+7 */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));       /* (0+4)+(2+6), (1+5)+(3+7) */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
 #endif

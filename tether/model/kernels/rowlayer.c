@@ -1,0 +1,176 @@
+/* Decoder layers of a Llama-architecture slice, all of a step's layers in one call: RMSNorm, the q/k/v
+ * projections, RoPE, the new keys and values stored in the paged arena, attention, the output projection and
+ * residual, RMSNorm, the gated MLP and residual (tether/model/rowlayer.py says where it serves).
+ *
+ * Why one call: a step through torch's modules runs ~40 small ATen ops and 7 kernel calls a layer, each its
+ * own dispatch and, on more than one thread, its own OpenMP fork and join; at one row that glue cost about as
+ * much as the linears (smollm2 on an AMD EPYC without AVX-512, docs/PERFORMANCE.md). Here the threads enter
+ * once per step and meet at a barrier between the phases of a layer.
+ *
+ * Batch-invariant by construction, like the kernels it calls: every element is computed by one fixed sequence
+ * of operations, whatever the rows beside it and whichever thread runs it. The linears are rowdot's column
+ * blocks (a thread takes a share of each weight's blocks), attention is rowattn's row (a thread takes every
+ * team-th (row, head)), and the rest is per row or per element:
+ *   RMSNorm   r = 1 / sqrt(sum(x^2) / n + eps), the sum in 8 lanes (lane j: x[j]^2, x[j+8]^2, ... as one FMA
+ *             chain) then rowattn's fixed tree; y = w * (x * r), Hugging Face's order
+ *   RoPE      q[i] * cos[i] + (-q[i + d/2]) * sin[i] (first half), q[i] * cos[i] + q[i - d/2] * sin[i] (second):
+ *             two products and a sum, as torch's q * cos + rotate_half(q) * sin rounds them
+ *   residual  x + y;  MLP  silu(gate) * up
+ *
+ * Built with -mavx2 -mfma -ffp-contract=off, like rowdot.c.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "rows.h"
+#include "vecmath.h"
+
+#define BLOCK 16   /* rowdot's column block */
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, block;
+    float eps, scale;
+} layer_shape;
+
+typedef struct {
+    const float *ln1, *ln2;                              /* the two RMSNorm weights [hidden] */
+    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd;       /* rowdot-packed projections */
+    const float *bq, *bk, *bv;                           /* q/k/v biases (Qwen2), or NULL */
+} layer_weights;
+
+/* floats of work space `rowlayers` needs for m rows */
+int64_t rowlayer_work(const layer_shape *s, int64_t m) {
+    int64_t qd = s->heads * s->head_dim, kd = s->kv_heads * s->head_dim;
+    return m * (2 * s->hidden + 2 * qd + 2 * kd + 2 * s->inter);
+}
+
+/* hidden % 8 == 0 (rowlayer.py checks) */
+static void rms_row(const float *x, const float *w, int64_t n, float eps, float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+}
+
+/* the final norm before the head (rowlayer.py) */
+void rownorm(const float *x, const float *w, int64_t m, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < m; r++)
+        rms_row(x + r * n, w, n, eps, out + r * n);
+}
+
+/* d <= 256 and even (rowattn's bound) */
+static void rope(float *v, const float *cos, const float *sin, int64_t d) {
+    float t[256];
+    int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++)
+        t[i] = v[i] * cos[i] + (-v[i + h]) * sin[i];
+    for (int64_t i = h; i < d; i++)
+        t[i] = v[i] * cos[i] + v[i - h] * sin[i];
+    memcpy(v, t, (size_t)d * sizeof(float));
+}
+
+/* Thread t's share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile). */
+static void share(int64_t blocks, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
+    int64_t s = (blocks + team - 1) / team;
+    s = (s + 3) / 4 * 4;
+    *b0 = t * s < blocks ? t * s : blocks;
+    *b1 = *b0 + s < blocks ? *b0 + s : blocks;
+}
+
+/* y[:, own columns] = x @ w.T (silu where act) + bias (where not NULL: added after, as torch adds it);
+ * returns the columns [c0, c1) this thread wrote */
+static void linear(const float *x, int64_t k, const float *w, const float *bias, float *y, int64_t n, int64_t m,
+                   int act, int64_t t, int64_t team, int64_t *c0, int64_t *c1) {
+    int64_t b0, b1;
+    share((n + BLOCK - 1) / BLOCK, t, team, &b0, &b1);
+    if (b0 < b1)
+        rowdot_blocks(x, k, w, k, y, n, n, m, b0, b1, act);
+    *c0 = b0 * BLOCK;
+    *c1 = b1 * BLOCK < n ? b1 * BLOCK : n;
+    if (bias != NULL)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = *c0; c < *c1; c++)
+                y[r * n + c] = y[r * n + c] + bias[c];
+}
+
+static void layer(const layer_shape *s, const layer_weights *w, float *kc, float *vc, float *x, int64_t m,
+                  const float *cos, const float *sin, const int64_t *write_rows, const int64_t *pos,
+                  const int64_t *first, const int64_t *tables, float *work, float *scores, int64_t t,
+                  int64_t team) {
+    int64_t H = s->hidden, d = s->head_dim, I = s->inter, heads = s->heads, kvh = s->kv_heads;
+    int64_t qd = heads * d, kd = kvh * d, group = heads / kvh, c0, c1;
+    float *h = work, *q = h + m * H, *k = q + m * qd, *v = k + m * kd, *a = v + m * kd, *o = a + m * qd;
+    float *g = o + m * H, *u = g + m * I;
+
+    for (int64_t r = t; r < m; r += team)
+        rms_row(x + r * H, w->ln1, H, s->eps, h + r * H);
+    #pragma omp barrier
+    linear(h, H, w->wq, w->bq, q, qd, m, 0, t, team, &c0, &c1);
+    linear(h, H, w->wk, w->bk, k, kd, m, 0, t, team, &c0, &c1);
+    linear(h, H, w->wv, w->bv, v, kd, m, 0, t, team, &c0, &c1);
+    #pragma omp barrier
+    for (int64_t r = t; r < m; r += team) {
+        for (int64_t j = 0; j < heads; j++)
+            rope(q + r * qd + j * d, cos + r * d, sin + r * d, d);
+        for (int64_t j = 0; j < kvh; j++) {
+            rope(k + r * kd + j * d, cos + r * d, sin + r * d, d);
+            memcpy(kc + write_rows[r * kvh + j] * d, k + r * kd + j * d, (size_t)d * sizeof(float));
+            memcpy(vc + write_rows[r * kvh + j] * d, v + r * kd + j * d, (size_t)d * sizeof(float));
+        }
+    }
+    #pragma omp barrier   /* every new key stored before any row reads its request's keys */
+    for (int64_t i = t; i < m * heads; i += team) {
+        int64_t r = i / heads;
+        rowattn_row(q + i * d, kc, vc, tables + first[r], pos[r], (i % heads) / group, kvh, d, s->block,
+                    s->scale, scores, a + i * d);
+    }
+    #pragma omp barrier
+    linear(a, qd, w->wo, NULL, o, H, m, 0, t, team, &c0, &c1);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = c0; c < c1; c++)
+            x[r * H + c] = x[r * H + c] + o[r * H + c];
+    #pragma omp barrier
+    for (int64_t r = t; r < m; r += team)
+        rms_row(x + r * H, w->ln2, H, s->eps, h + r * H);
+    #pragma omp barrier
+    linear(h, H, w->wg, NULL, g, I, m, 1, t, team, &c0, &c1);
+    linear(h, H, w->wu, NULL, u, I, m, 0, t, team, &c0, &c1);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = c0; c < c1; c++)
+            g[r * I + c] = g[r * I + c] * u[r * I + c];
+    #pragma omp barrier
+    linear(g, I, w->wd, NULL, o, H, m, 0, t, team, &c0, &c1);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = c0; c < c1; c++)
+            x[r * H + c] = x[r * H + c] + o[r * H + c];
+    #pragma omp barrier   /* the next layer's norm reads whole rows */
+}
+
+/* x [m][hidden] (in place) through `layers` layers; kc[l], vc[l]: layer l's arena [blocks][kv_heads][block][d];
+ * row r at position pos[r] (cos, sin: [m][d] its rotary values) stores its keys at the arena's flat rows
+ * write_rows[r * kv_heads ...] and reads blocks tables[first[r]:]; work: rowlayer_work floats; scores:
+ * `threads` rows of `stride` floats. On `threads` threads (torch's libgomp pool, as rowdot). */
+void rowlayers(const layer_shape *s, const layer_weights *w, int64_t layers, float *const *kc, float *const *vc,
+               float *x, int64_t m, const float *cos, const float *sin, const int64_t *write_rows,
+               const int64_t *pos, const int64_t *first, const int64_t *tables, float *work, float *scores,
+               int64_t stride, int threads) {
+    if (threads <= 1) {
+        for (int64_t l = 0; l < layers; l++)
+            layer(s, w + l, kc[l], vc[l], x, m, cos, sin, write_rows, pos, first, tables, work, scores, 0, 1);
+        return;
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        for (int64_t l = 0; l < layers; l++)
+            layer(s, w + l, kc[l], vc[l], x, m, cos, sin, write_rows, pos, first, tables, work,
+                  scores + t * stride, t, team);
+    }
+}

@@ -1,0 +1,18 @@
+/* What our kernels call of each other (rowlayer.c runs a whole decoder layer on rowdot's and rowattn's
+ * pieces): each computes an output element the same way whoever calls it, so composing them keeps a row's
+ * bits independent of the micro-batch and the threads. */
+#ifndef TETHER_ROWS_H
+#define TETHER_ROWS_H
+#include <stdint.h>
+
+/* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight; b0 a
+ * multiple of 4 (the one-row tile's width). */
+void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
+                   int64_t m, int64_t b0, int64_t b1, int act);
+
+/* rowattn.c: one query row of one head attended to its request's keys 0..pos; `s`: scores scratch of at least
+ * pos + 1 floats rounded up to 8. */
+void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
+                 int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out);
+
+#endif
