@@ -11,13 +11,22 @@ GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-# --no-compile: pip byte-compiles every file it installs (torch, transformers: ~60 s of a fresh setup's ~95 s here);
-# Python compiles what is imported on first import instead, a small part of it.
+# --no-compile: pip byte-compiles every file it installs one at a time (torch, transformers: ~60 s of a fresh
+# setup's ~95 s here); BYTECODE below does it on every core instead.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $(STAMP)
+
+# Byte code for the installed packages, written once. Python would otherwise compile a module on its first
+# import, but not keep it where PYTHONDONTWRITEBYTECODE is set (this machine's environment, the Dockerfile's):
+# then every process compiled torch from source again, ~4 of a stage's ~8 s start on tiny, and `make test` starts
+# ~220 services. A few files of torch's own tests do not compile under this Python: ignored (never imported).
+BYTECODE := $(VENV)/.bytecode
+$(BYTECODE): $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
+	touch $@
 
 # The default model (SmolLM2-135M-Instruct): fetched and converted once into the models cache; redone when the
 # converter changes (a new converter version writes a new folder beside the old).
@@ -26,7 +35,7 @@ $(MODEL_STAMP): $(STAMP) tether/model/gguf_convert.py tether/model/smollm2.py
 	$(BIN)/python -m tether.model
 	touch $@
 
-setup: $(STAMP) proto $(MODEL_STAMP)  ## virtualenv, packages, generated gRPC code and the default model
+setup: $(STAMP) $(BYTECODE) proto $(MODEL_STAMP)  ## virtualenv, packages (byte-compiled), generated gRPC code and the default model
 
 proto: $(STAMP) $(GEN)  ## generate Python code from protos/ (grpcio-tools)
 
@@ -49,6 +58,7 @@ lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (servi
 TEST_WORKERS ?= 3
 MAKE_STARTED := $(shell date +%s)
 test: setup lint  ## lint and types first (they fail it), then the whole suite (unit + services on loopback) in TEST_WORKERS processes, longest files first; prints its wall time
+	@$(BIN)/python -m compileall -q -j 0 tether services tests bench > /dev/null   # our own byte code, as BYTECODE
 	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - $(MAKE_STARTED) )) s wall from make's start (setup included), exit $$rc"; exit $$rc
 
