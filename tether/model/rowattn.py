@@ -101,6 +101,33 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
     return out
 
 
+@dataclass(frozen=True)
+class ProbeRequests:
+    """Three requests' rows as the probes lay them out (`holds` here and in tether/model/rowlayer.py): contexts
+    of 2.5 blocks, half a block and 7 positions, their blocks scattered in an arena of `arena_blocks`."""
+
+    arena_blocks: int
+    blocks: list[list[int]]   # each request's blocks, in position order
+    tables: list[int]         # the requests' tables, one after the other
+    first: list[int]          # per row: where its request's table starts in `tables`
+    positions: list[int]      # per row: its position in its request
+    context: int              # the longest request's positions
+
+    @classmethod
+    def scattered(cls, block: int, g: torch.Generator) -> "ProbeRequests":
+        lengths = (block * 5 // 2, block // 2 + 3, 7)
+        used = sum(ceil_div(n, block) for n in lengths)
+        order = torch.randperm(used + 3, generator=g).tolist()
+        blocks: list[list[int]] = []
+        first: list[int] = []
+        positions: list[int] = []
+        for n in lengths:
+            first += [sum(map(len, blocks))] * n
+            blocks.append(order[sum(map(len, blocks)):][:ceil_div(n, block)])
+            positions += range(n)
+        return cls(used + 3, blocks, [b for mine in blocks for b in mine], first, positions, max(lengths))
+
+
 def holds(heads: int, kv_heads: int, head_dim: int, block: int, threads: tuple[int, ...]) -> bool:
     """The probe's check (tether/model/numerics.py): three requests' rows (contexts up to 2.5 blocks, their
     blocks scattered in the arena) attended all at once on 1 thread, then in windows of 1, 2, 3, 5, 17 and 48
@@ -108,23 +135,12 @@ def holds(heads: int, kv_heads: int, head_dim: int, block: int, threads: tuple[i
     if not supports(head_dim) or heads % kv_heads:
         return False
     g = torch.Generator().manual_seed(11)
-    lengths = (block * 5 // 2, block // 2 + 3, 7)
-    used = sum(ceil_div(n, block) for n in lengths)
-    order = torch.randperm(used + 3, generator=g)
-    keys, values = (torch.randn(used + 3, kv_heads, block, head_dim, generator=g) for _ in range(2))
-    tables: list[int] = []
-    first: list[int] = []
-    positions: list[int] = []
-    taken = 0
-    for n in lengths:
-        seen = ceil_div(n, block)
-        first += [len(tables)] * n
-        tables += order[taken:taken + seen].tolist()
-        positions += range(n)
-        taken += seen
+    reqs = ProbeRequests.scattered(block, g)
+    keys, values = (torch.randn(reqs.arena_blocks, kv_heads, block, head_dim, generator=g) for _ in range(2))
+    positions = reqs.positions
     q = torch.randn(len(positions), heads, head_dim, generator=g) * 4
-    pos_t, first_t, tables_t = (long_tensor(v) for v in (positions, first, tables))
-    context = max(lengths)
+    pos_t, first_t, tables_t = (long_tensor(v) for v in (positions, reqs.first, reqs.tables))
+    context = reqs.context
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

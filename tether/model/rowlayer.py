@@ -129,31 +129,20 @@ def holds(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, blo
         return False
     g = torch.Generator().manual_seed(13)
     stack = random_stack(hidden, inter, heads, kv_heads, head_dim, block, 2, g)
-    lengths = (block * 5 // 2, block // 2 + 3, 7)
-    used = sum(ceil_div(n, block) for n in lengths)
-    order = torch.randperm(used + 3, generator=g).tolist()
-    tables: list[int] = []
-    first: list[int] = []
-    positions: list[int] = []
-    writes: list[int] = []
-    taken = 0
-    for n in lengths:
-        seen = ceil_div(n, block)
-        mine = order[taken:taken + seen]
-        first += [len(tables)] * n
-        tables += mine
-        positions += range(n)
-        writes += [(mine[p // block] * kv_heads + h) * block + p % block for p in range(n) for h in range(kv_heads)]
-        taken += seen
+    reqs = rowattn.ProbeRequests.scattered(block, g)
+    positions = reqs.positions
+    # each row's keys go to its request's block at its position, every kv head: the arena's flat rows
+    writes = [(reqs.tables[f + p // block] * kv_heads + h) * block + p % block
+              for f, p in zip(reqs.first, positions) for h in range(kv_heads)]
     x = torch.randn(len(positions), hidden, generator=g)
     angles = torch.tensor(positions, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
-    pos_t, first_t, tables_t, writes_t = (long_tensor(v) for v in (positions, first, tables, writes))
-    context = max(lengths)
+    pos_t, first_t, tables_t, writes_t = (long_tensor(v) for v in (positions, reqs.first, reqs.tables, writes))
+    context = reqs.context
 
     def arena() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return ([torch.zeros(used + 3, kv_heads, block, head_dim) for _ in range(2)],
-                [torch.zeros(used + 3, kv_heads, block, head_dim) for _ in range(2)])
+        return ([torch.zeros(reqs.arena_blocks, kv_heads, block, head_dim) for _ in range(2)],
+                [torch.zeros(reqs.arena_blocks, kv_heads, block, head_dim) for _ in range(2)])
 
     before = torch.get_num_threads()
     try:

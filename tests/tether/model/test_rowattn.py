@@ -77,3 +77,18 @@ def test_a_table_whose_tags_do_not_match_is_refused_before_any_read():
     with pytest.raises(RuntimeError, match="owner tags"):
         rowattn.RowAttentionPlan.build([SlotRows(b, 0, 10)], 10, m.cfg.num_attention_heads,
                                        m.cfg.num_key_value_heads, m.scratch)
+
+
+def test_the_probes_requests_read_only_their_own_scattered_blocks():
+    """The layout both probes (rowattn.holds, rowlayer.holds) check rows on: every row's table is its request's,
+    no block is shared, every block is inside the arena."""
+    r = rowattn.ProbeRequests.scattered(BLOCK, torch.Generator().manual_seed(0))
+    assert [len(b) for b in r.blocks] == [3, 1, 1]                  # 40, 11 and 7 positions of 16
+    assert len(set(r.tables)) == len(r.tables) == 5 and max(r.tables) < r.arena_blocks
+    assert r.tables != sorted(r.tables) or r.tables[0] != 0          # scattered, not laid out in order
+    rows = iter(zip(r.first, r.positions))
+    for blocks, n in zip(r.blocks, (40, 11, 7)):
+        for p in range(n):
+            f, pos = next(rows)
+            assert pos == p and r.tables[f:f + len(blocks)] == blocks
+    assert r.context == 40
