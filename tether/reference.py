@@ -42,9 +42,9 @@ class LoadedModel:
 
     @property
     def served_fingerprint(self) -> str:
-        """The model and the dtype it runs in here: what a served receipt names (`fingerprint`, the model's
-        alone, keys the sampling seeds, as the coordinator's does)."""
-        return dtypes.served_fingerprint(self.fingerprint, numerics.name_of(self.model.dtype))
+        """The model, the dtype and the kernels it runs on here: what a served receipt names (`fingerprint`, the
+        model's alone, keys the sampling seeds, as the coordinator's does)."""
+        return dtypes.served_fingerprint(self.fingerprint, numerics.name_of(self.model.dtype), self.model.rows.kernels)
 
 
 @functools.lru_cache(maxsize=4)

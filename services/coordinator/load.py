@@ -31,7 +31,8 @@ def load_report(driver: Driver, fingerprint: str, max_context: int) -> coordinat
     return coordinator_pb2.LoadReport(
         serving=driver.serving and not driver.draining, draining=driver.draining,
         status="draining" if driver.draining else driver.status,
-        model_fingerprint=dtypes.served_fingerprint(fingerprint, driver.pipeline.served_dtype),
+        model_fingerprint=dtypes.served_fingerprint(fingerprint, driver.pipeline.served_dtype,
+                                                     driver.pipeline.served_kernels),
         running=len(s.running), waiting=len(s.waiting), preempted=s.num_preempted,
         kv_blocks_total=total, kv_blocks_free=max(0, ledger.pool.available) if total else 0,
         kv_block_tokens=ledger.block, max_context=max_context, step_seconds=driver.step_seconds,

@@ -58,6 +58,11 @@ class Pipeline:
         return self.stages[0].dtype if self.stages else self.dtype
 
     @property
+    def served_kernels(self) -> str:
+        """The handshaken stages' kernels (all the same: they refuse a mix); "" before a handshake."""
+        return self.stages[0].kernels if self.stages else ""
+
+    @property
     def num_stages(self) -> int:
         return len(self.addresses)
 

@@ -6,17 +6,23 @@ machine serves in (`--dtype auto`) and the torch dtypes behind the names are tet
 
 from __future__ import annotations
 
+import xxhash
+
 AUTO = "auto"
 NAMES = ("float32", "bfloat16", "float16")
 CHOICES = (AUTO, *NAMES)
 
 
-def served_fingerprint(model_fingerprint: str, dtype: str) -> str:
+def served_fingerprint(model_fingerprint: str, dtype: str, kernels: str = "") -> str:
     """The fingerprint a receipt names and admission checks: the model's and the numerics it is computed in
-    (the same weights in bfloat16 and float32 give different logits, so different answers)."""
-    return f"{model_fingerprint}-{dtype}"
+    (the same weights in bfloat16 and float32 give different logits, so different answers), and, where given,
+    8 hex digits of the kernels' digest (`RowRule.kernels`: the probe chooses them per machine, and two choices
+    give a row other bits): `<model>-<dtype>-<kernels>`."""
+    served = f"{model_fingerprint}-{dtype}"
+    return f"{served}-{xxhash.xxh3_64_hexdigest(kernels.encode())[:8]}" if kernels else served
 
 
 def model_part(served: str) -> str:
-    """The model's own fingerprint in a `served_fingerprint` (what admission compares with its folder's)."""
-    return served.rsplit("-", 1)[0]
+    """The model's own fingerprint in a `served_fingerprint` (what admission compares with its folder's; a
+    model fingerprint is hex digits, no dash)."""
+    return served.split("-", 1)[0]

@@ -8,6 +8,7 @@ import pytest
 
 from services.admission.pipelines import (PREFIX_TOKENS, Pipelines, Refused, parse_coordinators, routing_key)
 from services.admission.routing import RouteRequest
+from tether.model import dtypes
 from tether.v1 import coordinator_pb2
 
 
@@ -61,6 +62,18 @@ def test_a_link_names_the_numerics_its_coordinator_reports_in_receipts():
     assert link.serving and link.served_fingerprint == "fp-bfloat16"
     link.report(report(model_fingerprint="other-bfloat16"))
     assert not link.serving and link.served_fingerprint == ""
+    served = dtypes.served_fingerprint("fp", "float32", "unpadded, at least 1 rows, rowdot linears")
+    link.report(report(model_fingerprint=served))     # and a digest of the kernels the stages' probe chose
+    assert link.serving and link.served_fingerprint == served
+
+
+def test_the_served_fingerprint_names_model_dtype_and_kernels():
+    rowdot = dtypes.served_fingerprint("ab12", "float32", "unpadded, at least 1 rows, rowdot linears")
+    padded = dtypes.served_fingerprint("ab12", "float32", "padded to 4 rows per thread")
+    assert rowdot.startswith("ab12-float32-") and len(rowdot.split("-")[2]) == 8
+    assert rowdot != padded                                   # other kernels, other bits: another name
+    assert dtypes.served_fingerprint("ab12", "float32") == "ab12-float32"   # a coordinator not yet handshaken
+    assert {dtypes.model_part(f) for f in (rowdot, padded, "ab12-float32")} == {"ab12"}
 
 
 def test_choose_spreads_by_predicted_cost_and_counts_outstanding_work():

@@ -9,7 +9,7 @@ import pytest
 
 from tether import reference
 from tether.client import AsyncClient, Client
-from tether.model import numerics
+from tether.model import dtypes, numerics
 
 PROMPTS = [
     "请用不超过50字向老人解释血糖仪读数",
@@ -76,7 +76,9 @@ def test_receipt_and_tags(cluster):
     # the model and the numerics the stages chose (--dtype auto), as the reference names them on this machine
     lm = reference.load("tiny")
     assert r.receipt.model_fingerprint == lm.served_fingerprint == reference.generate(prompt).receipt.model_fingerprint
-    assert r.receipt.model_fingerprint.endswith("-" + numerics.name_of(lm.model.dtype))
+    model, dtype, kernels = r.receipt.model_fingerprint.split("-")
+    assert (model, dtype) == (lm.fingerprint, numerics.name_of(lm.model.dtype))
+    assert r.receipt.model_fingerprint == dtypes.served_fingerprint(lm.fingerprint, dtype, lm.model.rows.kernels)
     assert r.tags["language"] == "zh"
     assert r.tags["length_limit"] == 50 and r.tags["length_unit"] == "chars"
     assert r.tags["domain"] == "medical" and r.tags["audience"] == "elderly"
