@@ -77,7 +77,6 @@ def main() -> None:
                 got["rowlayer"].append(step_ms(model, chosen, batch, threads, args.context, args.steps))
             a, b = statistics.median(got["modules"]), statistics.median(got["rowlayer"])
             print(f"| {batch} | {threads} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
-    model.rows = chosen
 
 
 if __name__ == "__main__":

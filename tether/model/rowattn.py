@@ -104,7 +104,7 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
 @dataclass(frozen=True)
 class ProbeRequests:
     """Three requests' rows as the probes lay them out (`holds` here and in tether/model/rowlayer.py): contexts
-    of 2.5 blocks, half a block and 7 positions, their blocks scattered in an arena of `arena_blocks`."""
+    of 2.5 blocks, half a block and 3, and 7 positions, their blocks scattered in an arena of `arena_blocks`."""
 
     arena_blocks: int
     blocks: list[list[int]]   # each request's blocks, in position order

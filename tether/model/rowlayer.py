@@ -80,6 +80,13 @@ class Stack:
             raise ValueError(f"rowlayer: x must be contiguous float32 [rows, {self.shape.hidden}]")
         if len(keys) != len(self.layers) or len(values) != len(self.layers):
             raise ValueError("rowlayer: one arena per layer")
+        s = self.shape
+        arena = (s.kv_heads, s.block, s.head_dim)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape[1:]) != arena
+               for t in (*keys, *values)):
+            raise ValueError(f"rowlayer: each layer's keys and values must be contiguous float32 [blocks, {arena}]")
+        if cos.shape != (rows, s.head_dim) or sin.shape != (rows, s.head_dim) or cos.dtype != torch.float32:
+            raise ValueError(f"rowlayer: cos and sin must be float32 [rows, {s.head_dim}]")
         if write_rows.numel() != rows * self.shape.kv_heads or positions.numel() != rows or first.numel() != rows:
             raise ValueError("rowlayer: the plan's rows do not match x")
         threads = torch.get_num_threads()

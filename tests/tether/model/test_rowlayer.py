@@ -98,7 +98,7 @@ def test_the_check_fails_where_a_row_would_change_with_its_neighbours(monkeypatc
 
 
 def test_the_model_runs_on_it_as_its_modules_compute_within_float_noise():
-    """On smollm2's shapes through tiny's weights: the one-call layers against torch's modules op by op (other
+    """tiny through the one-call layers against torch's modules op by op (other
     sums, so other bits): the same greedy tokens, logits within float noise; and a request's logits alone are
     bitwise its logits beside others, at 1 and 2 threads."""
     m = load_slice(resolve_model("tiny"))
@@ -135,3 +135,23 @@ def test_the_model_runs_on_it_as_its_modules_compute_within_float_noise():
         torch.set_num_threads(before)
     for a, b in zip(alone, reference):
         assert (a - b).abs().max() < 1e-3 and int(a.argmax()) == int(b.argmax())
+
+
+def test_tensors_the_kernel_would_misread_are_refused_before_the_call():
+    """The C code trusts its shapes: a wrong arena layout, dtype or rotary table is a ValueError, never a read."""
+    g = torch.Generator().manual_seed(7)
+    stack = rowlayer.random_stack(64, 96, 4, 2, 16, BLOCK, 1, g)
+    rows = 3
+    good = dict(keys=[torch.zeros(2, 2, BLOCK, 16)], values=[torch.zeros(2, 2, BLOCK, 16)],
+                cos=torch.ones(rows, 16), sin=torch.zeros(rows, 16))
+    plan = (long_tensor(range(rows * 2)), long_tensor(range(rows)), long_tensor([0] * rows), long_tensor([0]), rows)
+    x = torch.randn(rows, 64)
+    stack.run(x.clone(), good["keys"], good["values"], good["cos"], good["sin"], *plan)   # as laid out: runs
+    for name, bad in [("keys", [torch.zeros(2, 2, BLOCK, 8)]), ("values", [torch.zeros(2, 2, BLOCK, 16).double()]),
+                      ("keys", []), ("cos", torch.ones(rows, 8)), ("sin", torch.zeros(rows + 1, 16)),
+                      ("values", [torch.zeros(2, BLOCK, 2, 16).transpose(1, 2)])]:
+        args = {**good, name: bad}
+        with pytest.raises(ValueError, match="rowlayer"):
+            stack.run(x.clone(), args["keys"], args["values"], args["cos"], args["sin"], *plan)
+    with pytest.raises(ValueError, match="rowlayer"):
+        stack.run(x.t().contiguous().t(), good["keys"], good["values"], good["cos"], good["sin"], *plan)

@@ -178,10 +178,8 @@ void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, i
     }
     #pragma omp parallel num_threads(threads)
     {
-        int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-        int64_t share = (blocks + team - 1) / team;
-        share = (share + 3) / 4 * 4;
-        int64_t b0 = t * share, b1 = b0 + share < blocks ? b0 + share : blocks;
+        int64_t b0, b1;
+        rows_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
         if (b0 < b1)
             rowdot_blocks(x, ldx, wp, k, y, ldy, n, m, b0, b1, act);
     }

@@ -76,20 +76,12 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
     memcpy(v, t, (size_t)d * sizeof(float));
 }
 
-/* Thread t's share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile). */
-static void share(int64_t blocks, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
-    int64_t s = (blocks + team - 1) / team;
-    s = (s + 3) / 4 * 4;
-    *b0 = t * s < blocks ? t * s : blocks;
-    *b1 = *b0 + s < blocks ? *b0 + s : blocks;
-}
-
 /* y[:, own columns] = x @ w.T (silu where act) + bias (where not NULL: added after, as torch adds it);
  * returns the columns [c0, c1) this thread wrote */
 static void linear(const float *x, int64_t k, const float *w, const float *bias, float *y, int64_t n, int64_t m,
                    int act, int64_t t, int64_t team, int64_t *c0, int64_t *c1) {
     int64_t b0, b1;
-    share((n + BLOCK - 1) / BLOCK, t, team, &b0, &b1);
+    rows_share((n + BLOCK - 1) / BLOCK, t, team, &b0, &b1);
     if (b0 < b1)
         rowdot_blocks(x, k, w, k, y, n, n, m, b0, b1, act);
     *c0 = b0 * BLOCK;

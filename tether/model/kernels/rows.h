@@ -10,6 +10,15 @@
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
 
+/* Thread t of `team`'s share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile), so that
+ * rowdot's own threads and rowlayer's split a weight alike. */
+static inline void rows_share(int64_t blocks, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
+    int64_t s = (blocks + team - 1) / team;
+    s = (s + 3) / 4 * 4;
+    *b0 = t * s < blocks ? t * s : blocks;
+    *b1 = *b0 + s < blocks ? *b0 + s : blocks;
+}
+
 /* rowattn.c: one query row of one head attended to its request's keys 0..pos; `s`: scores scratch of at least
  * pos + 1 floats rounded up to 8. */
 void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
