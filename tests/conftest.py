@@ -34,31 +34,33 @@ def cluster(tmp_path_factory):
 
 # The longest files, started first: under `make test` (pytest-xdist, a whole file per worker) a long file
 # collected last keeps one worker busy while the others have finished. Longest first, as measured by
-# `--durations=0` (issue 24: seconds per file summed over its tests, setup and teardown included).
+# `--durations=0` (seconds per file summed over its tests, setup and teardown included; re-measured
+# 2026-12-05, when the stage worker's fault and hostile-peer files had grown to the longest).
 SLOW_FILES_FIRST = (
-    "tests/tether/loadtest/test_bench_e2e.py",
-    "tests/services/e2e/test_chaos.py",
-    "tests/services/e2e/test_generate.py",
-    "tests/tether/model/test_smollm2.py",
-    "tests/tether/cli/test_up_supervise.py",
-    "tests/services/e2e/test_multi_pipeline.py",
-    "tests/services/e2e/test_errors.py",
-    "tests/services/e2e/test_no_leaks.py",
-    "tests/services/e2e/test_failover.py",
-    "tests/services/e2e/test_prefix_and_pressure.py",
-    "tests/services/stage_worker/test_stamp_properties.py",
-    "tests/tether/loadtest/test_chaos_bench.py",
-    "tests/services/e2e/test_limits.py",
-    "tests/services/openai/test_openai_api.py",
-    "tests/services/e2e/test_default_model_e2e.py",
-    "tests/services/stage_worker/test_frame_alterations.py",
-    "tests/tether/model/test_smollm2_invariance.py",
     "tests/services/stage_worker/test_hostile.py",
-    "tests/services/e2e/test_leases.py",
-    "tests/services/admission/test_tagger_linear.py",
     "tests/services/stage_worker/test_stage_faults.py",
-    "tests/tether/model/test_invariant_threads.py",
+    "tests/tether/loadtest/test_bench_e2e.py",
+    "tests/tether/model/test_smollm2.py",
+    "tests/services/e2e/test_generate.py",
+    "tests/services/e2e/test_chaos.py",
+    "tests/services/e2e/test_handshake.py",
+    "tests/services/stage_worker/test_stamp_properties.py",
+    "tests/tether/cli/test_up_supervise.py",
+    "tests/tether/loadtest/test_chaos_bench.py",
+    "tests/tether/test_forkserver.py",
+    "tests/services/e2e/test_default_model_e2e.py",
+    "tests/services/e2e/test_errors.py",
+    "tests/services/openai/test_openai_api.py",
+    "tests/services/e2e/test_limits.py",
+    "tests/services/e2e/test_prefix_and_pressure.py",
+    "tests/services/admission/test_tagger_linear.py",
+    "tests/tether/loadtest/test_report.py",
     "tests/services/e2e/test_chat.py",
+    "tests/services/e2e/test_failover.py",
+    "tests/tether/model/test_invariant_threads.py",
+    "tests/tether/model/test_smollm2_invariance.py",
+    "tests/tether/model/test_probe_cache.py",
+    "tests/tether/model/test_numerics.py",
 )
 
 

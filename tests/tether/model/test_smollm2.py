@@ -40,6 +40,25 @@ TEXTS = ["Hello world", "What is the capital of France? Answer in 3 words.", "ä½
          "<|im_start|>system\nYou are helpful.<|im_end|>\n"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def gguf_read_into_memory():
+    """transformers parses the GGUF file three times (config, weights, tokenizer) with `gguf`'s reader, whose
+    memory map costs a Python call per field element (~50k vocabulary strings, ~50k merges): 7.1 s a parse here
+    against 2.7 s from the file read into an array (same bytes, same parse). Patched for this module only, in
+    the reader's module alone (numpy itself is untouched)."""
+    import types
+
+    import numpy as np
+    from gguf import gguf_reader
+
+    in_memory = types.ModuleType("numpy_file_in_memory")
+    in_memory.__dict__.update(np.__dict__)
+    in_memory.memmap = lambda path, mode="r": np.fromfile(path, dtype=np.uint8)   # the reader only reads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_reader, "np", in_memory)
+        yield
+
+
 @pytest.fixture(scope="module")
 def folder():
     return resolve_model(smollm2.NAME)
