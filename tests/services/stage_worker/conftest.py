@@ -191,15 +191,18 @@ class LiveStage:
         status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         return status == health_pb2.HealthCheckResponse.SERVING
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM (a graceful drain) without waiting: a module's stages drain side by side (`reap` after)."""
         self.channel.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def reap(self) -> None:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
@@ -227,7 +230,9 @@ def start_stage(tmp_path_factory):
 
     yield start
     for s in started:
-        s.stop()
+        s.terminate()
+    for s in started:
+        s.reap()
 
 
 @pytest.fixture(scope="module")
