@@ -7,8 +7,11 @@
 
 #define MAX_ROWS 16
 
-void q4q8_dot(const uint8_t *wq, const float *wd, const int8_t *aq, const float *ad, int64_t blocks,
-              int64_t outputs, int64_t rows, float *y) {
+/* returns -1 (nothing computed) for more than MAX_ROWS rows: one accumulator a row, on the stack */
+int q4q8_dot(const uint8_t *wq, const float *wd, const int8_t *aq, const float *ad, int64_t blocks,
+             int64_t outputs, int64_t rows, float *y) {
+    if (rows < 1 || rows > MAX_ROWS)
+        return -1;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
     for (int64_t o = 0; o < outputs; o++) {
         __m256 acc[MAX_ROWS];
@@ -31,4 +34,5 @@ void q4q8_dot(const uint8_t *wq, const float *wd, const int8_t *aq, const float 
             y[o * rows + r] = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
         }
     }
+    return 0;
 }

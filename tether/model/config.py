@@ -119,14 +119,18 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def layer_weights(cfg: ModelConfig) -> int:
+    """Elements of one decoder layer's seven weight matrices (q, k, v, o; gate, up, down); norms left out."""
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return attention + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
 def head_cost(cfg: ModelConfig) -> float:
     """What the last stage's LM head costs, in decoder layers: the head's weight bytes over a layer's, times
     settings.HEAD_COST_PER_LAYER_BYTE (the head's one long product reads its bytes faster than a layer's seven
     short ones and its attention). smollm2: 8.0 layers of bytes, 4.0 of time (sampling, not counted, adds
     less at the batch sizes served)."""
-    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    layer = attention + 3 * cfg.hidden_size * cfg.intermediate_size
-    return settings.HEAD_COST_PER_LAYER_BYTE * cfg.vocab_size * cfg.hidden_size / layer
+    return settings.HEAD_COST_PER_LAYER_BYTE * cfg.vocab_size * cfg.hidden_size / layer_weights(cfg)
 
 
 def balanced_split(num_layers: int, stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:

@@ -42,10 +42,10 @@ TEXTS = ["Hello world", "What is the capital of France? Answer in 3 words.", "ä½
 
 @pytest.fixture(scope="module", autouse=True)
 def gguf_read_into_memory():
-    """transformers parses the GGUF file three times (config, weights, tokenizer) with `gguf`'s reader, whose
-    memory map costs a Python call per field element (~50k vocabulary strings, ~50k merges): 7.1 s a parse here
-    against 2.7 s from the file read into an array (same bytes, same parse). Patched for this module only, in
-    the reader's module alone (numpy itself is untouched)."""
+    """transformers parses the GGUF file with `gguf`'s reader for each load (the model's config and weights, the
+    tokenizer), whose memory map costs a Python call per field element (~50k vocabulary strings, ~50k merges):
+    7.1 s a parse here against 2.7 s from the file read into an array (same bytes, same parse). Patched for this
+    module only, in the reader's module alone (numpy itself is untouched)."""
     import types
 
     import numpy as np
