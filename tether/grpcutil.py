@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tether import settings
+from tether import ports, settings
 from tether.security.identity import Identity
 from tether.security.tls import TlsConfig
 
@@ -97,17 +97,26 @@ class Server:
             log.warning("PLAINTEXT: %s serves %s without TLS and without authentication: anyone who can reach "
                         "the port can call every method. Only on a trusted network; see --tls-cert "
                         "(`tether certs init`)", self.address, ", ".join(names))
-            bound = self.server.add_insecure_port(self.address)
+            bound = self._bind(lambda: self.server.add_insecure_port(self.address))
         else:
             log.info("%s serves %s over %s", self.address, ", ".join(names), tls.describe())
-            bound = self.server.add_secure_port(self.address, tls.server_credentials())
+            bound = self._bind(lambda: self.server.add_secure_port(self.address, tls.server_credentials()))
         if bound == 0:
-            raise OSError(f"cannot listen on {self.address}")
+            raise ports.bind_error(host, port, "--port", "gRPC could not bind it")
         self.port = bound
         self._stop = asyncio.Event()   # set by SIGINT/SIGTERM or request_stop()
         # Set once the server stops (after `before_stop`): long-lived streams (a coordinator's Watch and Session)
         # end on it rather than holding the stop for its whole grace and being cancelled (logged as errors).
         self.stopping = asyncio.Event()
+
+    def _bind(self, add: Callable[[], int]) -> int:
+        """Bind a port with `add`; gRPC says only that it failed (a RuntimeError, or 0), so the port is probed
+        for the reason: a port in use is ports.PortInUse, the configuration error it is."""
+        try:
+            return add()
+        except RuntimeError as e:
+            host, _, port = self.address.rpartition(":")
+            raise ports.bind_error(host, int(port), "--port", e) from None
 
     def request_stop(self) -> None:
         """Stop as on SIGTERM (e.g. a coordinator drained by a call that asked it to exit)."""

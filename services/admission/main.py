@@ -17,7 +17,7 @@ from services.admission.door import FrontDoor
 from services.admission.server import AdmissionServicer, follow_readiness
 from services.admission.session import CoordinatorSession
 from services.admission.validate import ModelLimits
-from tether import service_main, settings, supervise
+from tether import ports, service_main, settings, supervise
 from tether.argtypes import positive_int
 from tether.grpcutil import Server
 from tether.telemetry import logs, metrics
@@ -106,8 +106,7 @@ def http_face(door: FrontDoor, args: argparse.Namespace) -> "HttpFace":
         return HttpFace(build_app(door), args.host, args.http_port, tls_files,
                         require_client_auth=args.tls is not None and args.tls.require_client_auth)
     except OSError as e:
-        raise OSError(f"--http-port {args.http_port}: cannot listen on {args.host}:{args.http_port}: "
-                      f"{e.strerror or e}") from e
+        raise ports.bind_error(args.host, args.http_port, "--http-port", e) from e
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -140,6 +139,8 @@ async def serve(args: argparse.Namespace) -> None:
                                                 lambda: door.ready)
     admission_pb2_grpc.add_AdmissionServicer_to_server(AdmissionServicer(door), server.server)
     http = None if args.no_http else http_face(door, args)   # binds now: a port in use fails before serving
+    bound = {"--port": server.port} | ({"--http-port": http.port} if http is not None else {})
+    service_main.report_ports(args, bound, ready=False)
     # NOT_SERVING until the readiness loop has seen a pipeline serve our model.
     await server.set_serving(False)
     await server.start()
@@ -152,7 +153,9 @@ async def serve(args: argparse.Namespace) -> None:
     readiness = supervise.start("readiness", lambda: follow_readiness(server, door), not_ready)
     pipelines.start()   # each pipeline's load, and the set of pipelines behind `dns:` names
     if registry is not None:
-        service_main.serve_metrics("admission", registry, args.metrics_host, args.metrics_port)
+        bound["--metrics-port"] = service_main.serve_metrics("admission", registry, args.metrics_host,
+                                                             args.metrics_port)
+    service_main.report_ports(args, bound, ready=True)
     logs.announce(log, f"admission listening on {args.host}:{server.port} (pipelines {', '.join(pipelines.links)}, "
                        f"model {args.model} {fingerprint})")
     if http is not None:

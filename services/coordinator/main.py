@@ -88,6 +88,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Coordinator"],
                              max_message_bytes=settings.COORDINATOR_MAX_MESSAGE_BYTES, tls=args.tls,
                              interceptors=guard)
+    bound = {"--port": server.port}
+    service_main.report_ports(args, bound, ready=False)
     driver = Driver(pipeline, args.max_batch_slots, args.max_batch_tokens, args.frame_timeout,
                     args.recovery_window, args.max_rebuilds, stamp_checks=not args.unsafe_disable_stamp_checks,
                     on_serving=server.set_serving, stream_idle_s=args.stream_idle,
@@ -107,8 +109,10 @@ async def serve(args: argparse.Namespace) -> None:
         # the very Stats reply gRPC clients get, built on the loop that owns the driver's state
         registry.register(metrics.CoordinatorCollector(
             metrics.loop_snapshot(loop, lambda: servicer.Stats(coordinator_pb2.StatsRequest(), None))))
-        service_main.serve_metrics("coordinator", registry, args.metrics_host, args.metrics_port)
+        bound["--metrics-port"] = service_main.serve_metrics("coordinator", registry, args.metrics_host,
+                                                             args.metrics_port)
     await server.set_serving(False)
+    service_main.report_ports(args, bound, ready=True)
     loop_task = supervise.start("driver", driver.run, driver.crashed)
     logs.announce(log, f"coordinator listening on {args.host}:{server.port} (route {', '.join(addresses)})")
     try:

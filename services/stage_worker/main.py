@@ -103,14 +103,20 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_folder(folder)
     start, end = parse_layers(args.layers, cfg.num_hidden_layers, head_cost(cfg))
     fingerprint = checked_fingerprint(folder)   # before loading: refuses a folder changed since tether made it
-    executor = step_thread()
-    worker = await asyncio.get_running_loop().run_in_executor(executor, load_worker, args, folder, start, end)
-    model = worker.model
     # Who may call what, with mutual TLS only (plaintext has no identities); refusals count in Stats.
-    guard = authz.AuthzInterceptor(on_refusal=lambda method, why: worker.refusals.update(["PERMISSION_DENIED"]))
+    refusals: list = []   # the worker's counter, once it is loaded (nothing can call before the server starts)
+    guard = authz.AuthzInterceptor(on_refusal=lambda method, why: refusals[0].update(["PERMISSION_DENIED"]))
+    # Bound before the model loads: a port in use fails at once, and a launcher that passed --port 0 can start
+    # the coordinator (which retries its handshake until this stage serves) while this one loads.
     server = grpcutil.Server(args.host, args.port, ["tether.v1.Stage"], tls=args.tls,
                              interceptors=[guard] if args.tls is not None else ())
+    bound = {"--port": server.port}
+    service_main.report_ports(args, bound, ready=False)
     address = f"{args.host}:{server.port}"
+    executor = step_thread()
+    worker = await asyncio.get_running_loop().run_in_executor(executor, load_worker, args, folder, start, end)
+    refusals.append(worker.refusals)
+    model = worker.model
     faults = FaultInjector(args.fault_config)
     servicer = StageServicer(worker, fingerprint, address, args.lease, faults=faults,
                              stream_idle_s=args.stream_idle, max_streams=args.max_streams,
@@ -126,8 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
         # most once per METRICS_SNAPSHOT_MAX_AGE_S: scrapes never queue work on the model thread
         registry.register(metrics.StageCollector(
             metrics.loop_snapshot(loop, lambda: servicer.Stats(stage_pb2.StageStatsRequest(), None))))
-        service_main.serve_metrics("stage", registry, args.metrics_host, args.metrics_port)
+        bound["--metrics-port"] = service_main.serve_metrics("stage", registry, args.metrics_host, args.metrics_port)
     await server.set_serving(True)
+    service_main.report_ports(args, bound, ready=True)
     leases = supervise.start("lease", servicer.expire_leases)
     logs.announce(log, f"stage listening on {address} (layers [{start}, {end}) of {cfg.num_hidden_layers}, "
                        f"model {fingerprint}, {worker.dtype} {model.rows})")

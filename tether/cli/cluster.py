@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tether import settings
+from tether import ports, settings
 from tether.forkserver import client as forkserver
 from tether.procutil import PARENT_ENV, Proc
 from tether.security import certs, tls as tls_config
@@ -117,6 +118,38 @@ class Service:
     came_up: bool = False                # it has listened on its port (since its first spawn): a healthy child
     http_address: str | None = None      # admission's HOST:PORT of the OpenAI-compatible HTTP API, when served
     http_tls: bool = False
+    role: str = ""                       # "stage", "coordinator" or "admission"
+    port_file: Path | None = None        # where it reports its ports (--port-file), when the launcher reads them
+
+    def report(self) -> ports.Report | None:
+        """What it last wrote to its --port-file (None: nothing yet, or no port file)."""
+        return ports.read_report(self.port_file) if self.port_file is not None else None
+
+    def pin_ports(self, report: ports.Report) -> None:
+        """Take the ports it reported as its own: its address, and its flags, so that a restart listens where
+        its peers already connect (a `--port 0` becomes the port the kernel gave it)."""
+        host = self.address.rpartition(":")[0]
+        for flag, port in report.ports.items():
+            if flag in self.argv and self.argv[self.argv.index(flag) + 1] == "0":
+                self.argv[self.argv.index(flag) + 1] = str(port)
+        if "--port" in report.ports:
+            self.address = f"{host}:{report.ports['--port']}"
+        if "--http-port" in report.ports and self.http_address is not None:
+            self.http_address = f"{host}:{report.ports['--http-port']}"
+        if "--metrics-port" in report.ports and self.metrics_address is not None:
+            self.metrics_address = f"{settings.METRICS_HOST}:{report.ports['--metrics-port']}"
+
+    def exit_reason(self, code: int | None) -> str | None:
+        """The one line a launcher says for an exit that restarting cannot mend (a port in use), else None."""
+        if code != ports.EXIT_PORT_IN_USE:
+            return None
+        report = self.report()
+        if report is None or report.error is None:
+            return f"{self.name} could not bind a port (exit {code}): {self.log_tail(1)}"
+        launcher_flag = LAUNCHER_FLAGS.get((self.role, report.flag or ""))
+        if launcher_flag is None:   # a --metrics-port, or a flag given through extra arguments
+            return f"{self.name}: {report.error}"
+        return f"{self.name}: {report.error.replace(f'pass {report.flag} ', f'pass {launcher_flag} ')}"
 
     @property
     def base_url(self) -> str | None:
@@ -150,81 +183,122 @@ def default_metrics_ports(stages: int, pipelines: int = 1) -> dict[str, int]:
     return ports
 
 
+def stage_command(model: str, host: str, port: int, i: int, stages: int, threads: int = 0,
+                  pipelines: int = 1) -> list[str]:
+    """`python -m services.stage_worker ...` of stage i of `stages` (in any pipeline)."""
+    argv = [sys.executable, "-m", "services.stage_worker", "--host", host, "--port", str(port), "--model", model,
+            "--layers", f"{i}/{stages}"]
+    if threads:
+        argv += ["--threads", str(threads)]
+    if pipelines > 1:   # a step alone in its pipeline shares the cores with the other pipelines
+        argv += ["--alone-threads", str(max(1, len(os.sched_getaffinity(0)) // pipelines))]
+    return argv
+
+
+def coordinator_command(model: str, host: str, port: int, route: list[str]) -> list[str]:
+    """`python -m services.coordinator ...` over the stages at `route` (HOST:PORT, in order)."""
+    return [sys.executable, "-m", "services.coordinator", "--host", host, "--port", str(port), "--model", model,
+            "--stages", ",".join(route)]
+
+
+def admission_command(model: str, host: str, port: int, coordinators: list[str],
+                      http_port: int | None = settings.HTTP_PORT) -> list[str]:
+    """`python -m services.admission ...` in front of `coordinators` (HOST:PORT); `http_port` None: gRPC only."""
+    return ([sys.executable, "-m", "services.admission", "--host", host, "--port", str(port), "--model", model,
+             "--coordinator", ",".join(coordinators)]
+            # admission's own default (settings.HTTP_PORT) is not repeated: the deploy files' commands match these
+            + (["--no-http"] if http_port is None else [] if http_port == settings.HTTP_PORT else
+               ["--http-port", str(http_port)]))
+
+
+def _service(name: str, role: str, argv: list[str], host: str, port: int, cert: str, tls_dir: Path | None,
+             metrics_port: int | None, extra: dict[str, list[str]]) -> Service:
+    """A Service of `argv` with what every service gets alike: its certificate, /metrics, the extra flags."""
+    svc = Service(name, argv, f"{host}:{port}", role=role)
+    if tls_dir is not None:
+        svc.argv += tls_config.service_flags(tls_dir, cert)
+    if metrics_port is not None:
+        svc.argv += ["--metrics-port", str(metrics_port)]
+        # /metrics stays on loopback (--metrics-host's default) whatever --host the cluster serves on
+        svc.metrics_address = f"{settings.METRICS_HOST}:{metrics_port}"
+    svc.argv += extra.get(role, [])
+    return svc
+
+
 def service_commands(model: str, stages: int, host: str = "127.0.0.1", admission_port: int = settings.ADMISSION_PORT,
                      coordinator_port: int = settings.COORDINATOR_PORT, stage_ports: list[int] | None = None,
                      threads: int = 0, extra: dict[str, list[str]] | None = None,
                      metrics_ports: dict[str, int] | None = None, pipelines: int = 1,
                      coordinator_ports: list[int] | None = None, tls_dir: Path | None = None,
                      http_port: int | None = settings.HTTP_PORT) -> list[Service]:
-    """The commands of a cluster, in start order (each pipeline's stages and coordinator, then admission).
-    Pipeline k's stage i listens on stage_ports[k * stages + i] and its coordinator on coordinator_port + k
-    (or coordinator_ports[k]). `metrics_ports` (service name -> port, e.g. default_metrics_ports()) turns on
-    every service's /metrics; None leaves them off. `tls_dir` (a `tether certs init` folder) gives every service
-    its certificate: stage i of any pipeline stage-i's, the coordinators coordinator's, admission admission's.
-    `http_port`: admission's OpenAI-compatible HTTP port; None serves gRPC only."""
+    """The commands of a cluster on fixed ports, in start order (each pipeline's stages and coordinator, then
+    admission): what docker-compose.yml and deploy/k8s run, each service in its own network namespace. Pipeline
+    k's stage i listens on stage_ports[k * stages + i] and its coordinator on coordinator_port + k (or
+    coordinator_ports[k]). `metrics_ports` (service name -> port, e.g. default_metrics_ports()) turns on every
+    service's /metrics; None leaves them off. `tls_dir` (a `tether certs init` folder) gives every service its
+    certificate: stage i of any pipeline stage-i's, the coordinators coordinator's, admission admission's.
+    `http_port`: admission's OpenAI-compatible HTTP port; None serves gRPC only. (`LocalCluster` builds the same
+    commands with the same functions, its internal ports the kernel's.)"""
     stage_ports = stage_ports or [settings.STAGE_BASE_PORT + i for i in range(stages * pipelines)]
     coordinator_ports = coordinator_ports or [coordinator_port + k for k in range(pipelines)]
     extra = extra or {}
-    py = [sys.executable, "-m"]
+    metrics = metrics_ports or {}
     services = []
-
-    def add(name: str, argv: list[str], port: int, role: str, cert: str) -> None:
-        svc = Service(name, argv, f"{host}:{port}")
-        if tls_dir is not None:
-            svc.argv += tls_config.service_flags(tls_dir, cert)
-        if metrics_ports is not None:
-            svc.argv += ["--metrics-port", str(metrics_ports[name])]
-            # /metrics stays on loopback (--metrics-host's default) whatever --host the cluster serves on
-            svc.metrics_address = f"{settings.METRICS_HOST}:{metrics_ports[name]}"
-        svc.argv += extra.get(role, [])
-        services.append(svc)
-
     for k in range(pipelines):
-        first = len(services)
+        route = []
         for i in range(stages):
-            port = stage_ports[k * stages + i]
-            argv = py + ["services.stage_worker", "--host", host, "--port", str(port), "--model", model,
-                         "--layers", f"{i}/{stages}"]
-            if threads:
-                argv += ["--threads", str(threads)]
-            if pipelines > 1:   # a step alone in its pipeline shares the cores with the other pipelines
-                argv += ["--alone-threads", str(max(1, len(os.sched_getaffinity(0)) // pipelines))]
-            add(f"{pipeline_prefix(k)}stage{i}", argv, port, "stage", f"stage-{i}")
-        route = ",".join(s.address for s in services[first:])
-        add(f"{pipeline_prefix(k)}coordinator", py + ["services.coordinator", "--host", host, "--port",
-                                                      str(coordinator_ports[k]), "--model", model, "--stages", route],
-            coordinator_ports[k], "coordinator", "coordinator")
-    coordinators = ",".join(f"{host}:{p}" for p in coordinator_ports)
-    add("admission", py + ["services.admission", "--host", host, "--port", str(admission_port), "--model", model,
-                           "--coordinator", coordinators]
-        # admission's own default (settings.HTTP_PORT) is not repeated: the deploy files' commands match these
-        + (["--no-http"] if http_port is None else [] if http_port == settings.HTTP_PORT else
-           ["--http-port", str(http_port)]),
-        admission_port, "admission", "admission")
+            port, name = stage_ports[k * stages + i], f"{pipeline_prefix(k)}stage{i}"
+            services.append(_service(name, "stage", stage_command(model, host, port, i, stages, threads, pipelines),
+                                     host, port, f"stage-{i}", tls_dir, metrics.get(name), extra))
+            route.append(f"{host}:{port}")
+        name = f"{pipeline_prefix(k)}coordinator"
+        services.append(_service(name, "coordinator", coordinator_command(model, host, coordinator_ports[k], route),
+                                 host, coordinator_ports[k], "coordinator", tls_dir, metrics.get(name), extra))
+    coordinators = [f"{host}:{p}" for p in coordinator_ports]
+    services.append(_service("admission", "admission",
+                             admission_command(model, host, admission_port, coordinators, http_port),
+                             host, admission_port, "admission", tls_dir, metrics.get("admission"), extra))
     if http_port is not None:
         services[-1].http_address, services[-1].http_tls = f"{host}:{http_port}", tls_dir is not None
     return services
 
 
+class PortConflict(RuntimeError):
+    """A child could not bind a port (it exited with ports.EXIT_PORT_IN_USE): the one line a user reads, naming
+    the launcher's flag that moves the port. Restarting cannot help."""
+
+
+# The launcher's flag that moves a port a child could not bind: (role, the child's flag) -> `tether up`'s flag.
+LAUNCHER_FLAGS = {("stage", "--port"): "--stage-port", ("coordinator", "--port"): "--coordinator-port",
+                  ("admission", "--port"): "--port", ("admission", "--http-port"): "--http-port"}
+
+
 @dataclass
 class LocalCluster:
+    """A cluster of child processes on this machine. The internal services (stages, coordinators) listen on
+    ports the kernel gives them (`--port 0`), which they report (`--port-file`), and each is started once the
+    ones it connects to have reported: no port is picked before it is bound, so none can be taken meanwhile by
+    an outgoing connection. The ports a user connects to (admission's gRPC and HTTP, /metrics with `metrics`)
+    are fixed when `admission_port` is, and reserved before anything starts: a port in use fails the start at
+    once, with one line. `admission_port=0` (the tests): every port the kernel's, reported."""
     model: str = settings.DEFAULT_MODEL
     stages: int = 2
     pipelines: int = 1               # independent pipelines (stages + coordinator each) behind one admission
     host: str = "127.0.0.1"
-    admission_port: int = 0          # 0: pick free ports for every service (tests); `tether up` passes ports
-    coordinator_port: int = settings.COORDINATOR_PORT
-    stage_port: int = settings.STAGE_BASE_PORT   # stage i listens on stage_port + i
+    admission_port: int = 0          # 0: every port the kernel's (tests); `tether up` passes the public ports
+    coordinator_port: int | None = None   # pipeline k's coordinator on this + k; None: the kernel's pick
+    stage_port: int | None = None    # stage i (of all pipelines) on stage_port + i; None: the kernel's pick
     threads: int = 0
     log_dir: Path | None = None      # None: children write to this process's stdout/stderr
-    metrics: bool = False            # every service serves /metrics: on free ports when the gRPC ports are
-                                     # free ones, else on default_metrics_ports()
+    metrics: bool = False            # every service serves /metrics: on the kernel's ports when admission_port
+                                     # is 0, else on default_metrics_ports()
     extra: dict[str, list[str]] = field(default_factory=dict)
     tls: bool = False                # mutual TLS between services, certificates from tls_dir
     tls_dir: Path | None = None      # a `tether certs init` folder; None with tls: one is made (log_dir/tls or a temp dir)
-    http: bool = True                # admission serves the OpenAI-compatible HTTP API (on a free port when the
-    http_port: int = settings.HTTP_PORT   # gRPC ports are free ones, else on http_port)
+    http: bool = True                # admission serves the OpenAI-compatible HTTP API (on the kernel's port when
+    http_port: int = settings.HTTP_PORT   # admission_port is 0, else on http_port)
     services: list[Service] = field(default_factory=list)
+    _reports: Path | None = None     # the folder of the children's --port-file reports
 
     @property
     def target(self) -> str:
@@ -244,16 +318,18 @@ class LocalCluster:
         only returned a cluster whose other pipelines might still be loading. With `supervisor`, a child that
         came up and then died meanwhile is restarted by it like any other (only one that never came up fails
         the start)."""
-        self.launch()
         deadline = time.monotonic() + timeout
+        self.launch(timeout, supervisor)
         for svc in self.services:
             if svc.name.endswith("coordinator"):
                 self.wait_ready(max(1.0, deadline - time.monotonic()), svc.name, supervisor=supervisor)
         self.wait_ready(max(1.0, deadline - time.monotonic()), supervisor=supervisor)
         return self
 
-    def launch(self) -> "LocalCluster":
-        """Build every child's command and spawn them all (no waiting)."""
+    def launch(self, timeout: float = 120.0, supervisor: StartupSupervisor | None = None) -> "LocalCluster":
+        """Spawn every child, each once the ones it connects to have bound their ports (stages, then each
+        pipeline's coordinator over their reported addresses, then admission); returns once admission has bound
+        its ports, without waiting for anything to serve. The public ports are reserved first (PortInUse)."""
         folder = resolve_model(self.model)      # generate a preset once, before children race for it
         if self.tls:
             if self.tls_dir is None:
@@ -262,27 +338,93 @@ class LocalCluster:
             certs.init(self.tls_dir, stages=self.stages)   # the CA and what is missing; existing files are kept
         num_layers = ModelConfig.from_folder(folder).num_hidden_layers
         even_split(num_layers, self.stages)     # fail early with a clear message
-        free = self.admission_port == 0
-        n, stages = self.pipelines, self.stages
-        ports = [free_port(self.host) for _ in range(2 + n + n * stages)] if free else []
-        metrics_ports = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._reports = Path(tempfile.mkdtemp(prefix="tether-ports-", dir=self.log_dir))
+        auto = self.admission_port == 0
+        n, stages, host, extra = self.pipelines, self.stages, self.host, self.extra
+        tls_dir = self.tls_dir if self.tls else None
+        metrics = None
         if self.metrics:
-            metrics_ports = default_metrics_ports(stages, n)
-            if free:
-                metrics_ports = {name: free_port(self.host) for name in metrics_ports}
-        self.services = service_commands(
-            self.model, stages, self.host,
-            admission_port=ports[0] if free else self.admission_port,
-            coordinator_port=self.coordinator_port, coordinator_ports=ports[1:1 + n] if free else None,
-            stage_ports=ports[1 + n:-1] if free else [self.stage_port + i for i in range(n * stages)],
-            threads=self.threads, extra=self.extra, metrics_ports=metrics_ports, pipelines=n,
-            tls_dir=self.tls_dir if self.tls else None,
-            http_port=None if not self.http else ports[-1] if free else self.http_port)
-        for svc in self.services:
-            self.spawn(svc)
+            metrics = {name: 0 for name in default_metrics_ports(stages, n)} if auto else \
+                default_metrics_ports(stages, n)
+        http_port = None if not self.http else 0 if auto else self.http_port
+        # What a user connects to is held from now until its service binds it: a second `tether up` on this
+        # machine fails here, before a model is loaded.
+        held: dict[str, list[socket.socket]] = {}
+        try:
+            if not auto:
+                held["admission"] = [ports.reserve(host, self.admission_port, "--port")]
+                if http_port is not None:
+                    held["admission"].append(ports.reserve(host, http_port, "--http-port"))
+            for name, port in (metrics or {}).items():
+                if port:
+                    held.setdefault(name, []).append(ports.reserve(settings.METRICS_HOST, port, "--metrics"))
+            self.services = []
+            deadline = time.monotonic() + timeout
+            coordinators = []
+            for k in range(n):
+                first = len(self.services)
+                for i in range(stages):
+                    port = 0 if self.stage_port is None else self.stage_port + k * stages + i
+                    name = f"{pipeline_prefix(k)}stage{i}"
+                    self._spawn_new(_service(name, "stage", stage_command(self.model, host, port, i, stages,
+                                                                          self.threads, n),
+                                             host, port, f"stage-{i}", tls_dir, (metrics or {}).get(name), extra),
+                                    held)
+                route = self._bound(self.services[first:], deadline, supervisor)
+                port = 0 if self.coordinator_port is None else self.coordinator_port + k
+                name = f"{pipeline_prefix(k)}coordinator"
+                self._spawn_new(_service(name, "coordinator", coordinator_command(self.model, host, port, route),
+                                         host, port, "coordinator", tls_dir, (metrics or {}).get(name), extra), held)
+            coordinators = self._bound([s for s in self.services if s.role == "coordinator"], deadline, supervisor)
+            admission = _service("admission", "admission",
+                                 admission_command(self.model, host, 0 if auto else self.admission_port,
+                                                   coordinators, http_port),
+                                 host, 0 if auto else self.admission_port, "admission", tls_dir,
+                                 (metrics or {}).get("admission"), extra)
+            if http_port is not None:
+                admission.http_address, admission.http_tls = f"{host}:{http_port}", tls_dir is not None
+            self._spawn_new(admission, held)
+            self._bound([admission], deadline, supervisor)
+        finally:
+            for sockets in held.values():
+                for sock in sockets:
+                    sock.close()
         return self
 
+    def _spawn_new(self, svc: Service, held: dict[str, list[socket.socket]]) -> None:
+        """Add `svc` to the cluster with its --port-file and spawn it, its reserved ports released just before."""
+        assert self._reports is not None
+        svc.port_file = self._reports / f"{svc.name}.json"
+        svc.argv += ["--port-file", str(svc.port_file)]
+        self.services.append(svc)
+        for sock in held.pop(svc.name, []):
+            sock.close()
+        self.spawn(svc)
+
+    def _bound(self, services: list[Service], deadline: float,
+               supervisor: StartupSupervisor | None) -> list[str]:
+        """Wait until each of `services` has reported its ports (bound, maybe not serving yet); their addresses."""
+        pending = list(services)
+        while pending:
+            self._check_children(supervisor)
+            for svc in list(pending):
+                report = svc.report()
+                if report is not None and report.error is None and report.ports:
+                    svc.pin_ports(report)
+                    pending.remove(svc)
+            if pending:
+                if time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    raise TimeoutError(f"{names} did not bind a port in time\n{pending[0].log_tail()}")
+                time.sleep(0.02)
+        return [svc.address for svc in services]
+
     def spawn(self, svc: Service) -> None:
+        """Start `svc`'s process (again: with the ports it reported, and a fresh report)."""
+        if svc.port_file is not None:
+            svc.port_file.unlink(missing_ok=True)
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -296,27 +438,33 @@ class LocalCluster:
             if out is not None:
                 out.close()
 
+    def _check_children(self, supervisor: StartupSupervisor | None) -> None:
+        """Mark the children that serve as come up; fail the start for one that exited before it came up (or
+        after, with no `supervisor` to restart it), and at once, in one line, for one whose port was taken."""
+        for s in self.services:
+            if s.proc is None:
+                continue
+            if not s.came_up and s.proc.poll() is None:
+                report = s.report()
+                s.came_up = report.ready if report is not None else s.port_file is None and listening(s.address)
+            code = s.proc.poll()
+            if code is not None and (reason := s.exit_reason(code)) is not None:
+                raise PortConflict(reason)
+            if code is not None and (supervisor is None or not s.came_up):
+                when = "during start-up" if not s.came_up else "after it came up, with nothing to restart it"
+                raise RuntimeError(f"{s.name} exited with {code} {when}\n{s.log_tail()}")
+        if supervisor is not None:
+            supervisor.poll(time.monotonic())
+
     def wait_ready(self, timeout: float, name: str = "admission",
                    supervisor: StartupSupervisor | None = None) -> None:
         """Block until the service reports SERVING (for admission: a pipeline is up). A child that exits before
-        it ever listened fails the start (a bad flag, a port taken, a model that does not load: restarting
+        it ever served fails the start (a bad flag, a port taken, a model that does not load: restarting
         would fail the same way); one that had come up is a crash like any later one: `supervisor` restarts it
         (without one, nothing would, so it fails the start too)."""
         svc = self.service(name)
-
-        def check_children() -> None:
-            for s in self.services:
-                if s.proc is None:
-                    continue
-                if not s.came_up and s.proc.poll() is None and listening(s.address):
-                    s.came_up = True
-                if s.proc.poll() is not None and (supervisor is None or not s.came_up):
-                    when = "during start-up" if not s.came_up else "after it came up, with nothing to restart it"
-                    raise RuntimeError(f"{s.name} exited with {s.proc.returncode} {when}\n{s.log_tail()}")
-            if supervisor is not None:
-                supervisor.poll(time.monotonic())
         with self.channel(name) as ch:
-            if wait_serving(ch, timeout, before_each=check_children):
+            if wait_serving(ch, timeout, before_each=lambda: self._check_children(supervisor)):
                 return
         raise TimeoutError(f"{name} at {svc.address} not SERVING after {timeout:.0f}s\n{svc.log_tail()}")
 
@@ -351,6 +499,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._reports is not None:
+            shutil.rmtree(self._reports, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -91,6 +91,8 @@ class _Service(Protocol):
 
     def log_tail(self, lines: int = 30) -> str: ...
 
+    def exit_reason(self, code: int | None) -> str | None: ...
+
 
 class _Cluster(Protocol):
     services: list
@@ -131,6 +133,9 @@ class Supervisor:
             code = svc.proc.poll()
             if code is None:
                 continue
+            reason = svc.exit_reason(code)
+            if reason is not None:   # e.g. its port was taken while it was down: a restart would fail the same way
+                raise GaveUp(reason, svc.name, code)
             # Any exit counts, 0 included: under `tether up` only the launcher stops children, so a child that
             # left on its own took part of the pipeline with it (compose's `unless-stopped`, not `on-failure`).
             decision = self.history[svc.name].crashed(now)

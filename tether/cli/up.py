@@ -79,21 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "random-weight preset for tests and kernel benchmarks (tiny, small, base) or a Hugging Face "
                         "folder with config.json, *.safetensors and tokenizer.json (default: %(default)s)")
     p.add_argument("--stages", type=int, default=2,
-                   help="stage workers per pipeline; layers are split evenly (default: %(default)s)")
+                   help="stage workers per pipeline; the layers are split so that each stage costs about the same: the "
+                        "last stage, which also runs the LM head and sampling, holds fewer layers where the head is "
+                        "large (smollm2 on 2 stages: 17 + 13 of 30) (default: %(default)s)")
     p.add_argument("--pipelines", type=int, default=1,
                    help="independent pipelines (their own stages and coordinator each) behind the one admission, "
                         "which routes every request to one of them (default: %(default)s)")
     p.add_argument("--port", type=int, default=settings.ADMISSION_PORT,
-                   help="admission (public) port (default: %(default)s)")
+                   help="admission's public gRPC port, fixed and reserved before anything starts: in use, the "
+                        "start fails at once and says by whom (default: %(default)s)")
     p.add_argument("--http-port", type=int, default=settings.HTTP_PORT,
                    help="admission's OpenAI-compatible HTTP API port (base URL http://HOST:PORT/v1) "
                         "(default: %(default)s)")
     p.add_argument("--no-http", action="store_true", help="serve admission's gRPC port only, no HTTP API")
-    p.add_argument("--coordinator-port", type=int, default=settings.COORDINATOR_PORT,
-                   help="coordinator port; pipeline k's coordinator listens on this + k (default: %(default)s)")
-    p.add_argument("--stage-port", type=int, default=settings.STAGE_BASE_PORT,
-                   help="port of stage 0; stage i of pipeline k listens on this + k * stages + i (default: "
-                        "%(default)s)")
+    p.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
+                   help="pipeline k's coordinator listens on PORT + k (default: a port the kernel gives it, which "
+                        "it reports to this launcher: internal ports can never collide)")
+    p.add_argument("--stage-port", type=int, default=None, metavar="PORT",
+                   help="stage i of pipeline k listens on PORT + k * stages + i (default: a port the kernel gives "
+                        "it, reported to this launcher)")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per stage (default: the machine's cores divided among all stages)")
@@ -250,8 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         exit_code = 0
     finally:
-        print("stopping tether ...", flush=True)
+        spawned = any(s.proc is not None for s in cluster.services)   # none: a public port was in use
+        if spawned:
+            print("stopping tether ...", flush=True)
         cluster.stop()
-        print("stopped.", flush=True)
+        if spawned:
+            print("stopped.", flush=True)
     if exit_code:
         raise SystemExit(exit_code)

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tether import settings
+from tether import ports, settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,8 +68,7 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> int:
     try:
         server = metrics_http.start(registry, host, port)
     except OSError as e:
-        raise OSError(f"--metrics-host {host} --metrics-port {port}: cannot listen on {host}:{port}: "
-                      f"{e.strerror or e}") from e
+        raise ports.bind_error(host, port, "--metrics-port", e) from e
     return server.server_address[1]
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from tether import settings
 from tether.cli.supervisor import CrashHistory, GaveUp, RestartPolicy, RollingRestart, Supervisor
+from tether.ports import EXIT_PORT_IN_USE
 
 POLICY = RestartPolicy(backoff_base_s=0.5, backoff_cap_s=10.0, stable_s=30.0, max_restarts=5, window_s=60.0)
 
@@ -108,6 +109,9 @@ class FakeService:
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.splitlines()[-lines:])
+
+    def exit_reason(self, code: int | None) -> str | None:
+        return f"{self.name}: port 7 is in use" if code == EXIT_PORT_IN_USE else None
 
 
 @dataclass
@@ -210,3 +214,16 @@ def test_a_rolling_restart_drains_one_coordinator_at_a_time_and_is_never_a_crash
     serving.add("p1-coordinator")
     rolling.poll(1.7)
     assert rolling.done and cluster.restarted == ["coordinator", "p1-coordinator"] and not sup.exempt
+
+
+def test_a_child_whose_port_is_taken_is_not_restarted():
+    """Exit EXIT_PORT_IN_USE: restarting would fail the same way, so the supervisor gives up at once, with the
+    child's one line and no log tail, however many restarts the policy allows."""
+    stage = FakeService("stage0", FakeProc(1), log="a traceback\nthat nobody needs")
+    cluster = FakeCluster([stage])
+    sup = Supervisor(cluster, RestartPolicy(max_restarts=5), now=0.0, say=lambda _: None)
+    stage.proc.returncode = EXIT_PORT_IN_USE
+    with pytest.raises(GaveUp) as info:
+        sup.poll(1.0)
+    assert str(info.value) == "stage0: port 7 is in use" and info.value.returncode == EXIT_PORT_IN_USE
+    assert cluster.restarted == [] and sup.restarts == 0
