@@ -13,8 +13,7 @@ from tether.client.common import ClientCore, Starter, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import Retrier, RetryPolicy, RetryRun
-from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
-                                sent_and_request, tag_request, tags_dict)
+from tether.client.wire import GenerateResult, Messages, result_from_response, sent_and_request, tags_dict
 from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -80,7 +79,7 @@ class AsyncStream(StreamCore):
         self._call.cancel()
 
 
-class AsyncClient(ClientCore):
+class AsyncClient(ClientCore[AsyncStream]):
     """`AsyncClient("127.0.0.1:50051")`: awaitable generate, stream and tag. Create it inside the event loop;
     use `async with` or `await close()`.
 
@@ -121,33 +120,11 @@ class AsyncClient(ClientCore):
                                          tenant=tenant, priority=priority, request_id=request_id)
         return await self._unary(request, sent, request_id)
 
-    def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
-               tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start a request and return its `AsyncStream` (not awaited: iterate it; a broken stream resumes where it stopped
-        token); same parameters as `generate`."""
-        sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
-                                         priority=priority, request_id=request_id)
-        return self._stream(request, sent, request_id)
-
-    def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
-                    tenant: str = "", priority: str = "", request_id: str = "") -> AsyncStream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `AsyncStream` (a broken
-        stream resumes where it stopped)."""
-        sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                                         tenant=tenant, priority=priority, request_id=request_id)
-        return self._stream(request, sent, request_id)
-
     async def tag(self, prompt: str | bytes | None = None, max_tokens: int = 64, tenant: str = "",
                   priority: str = "", *, messages: Messages | None = None) -> dict[str, Any]:
         """The intent tags admission would give this prompt or conversation, without generating (dry run;
         retried like `generate`, as it takes the same concurrency slot)."""
-        pairs = encode_messages(messages) if messages is not None else ()
-        data = encode_prompt(prompt) if prompt is not None else b""
-        request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
+        request = self._tag_request(prompt, max_tokens, tenant, priority, messages)
 
         async def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> dict[str, Any]:
             try:
@@ -168,18 +145,13 @@ class AsyncClient(ClientCore):
         return result
 
     async def _with_retries(self, attempt: Callable[[float | None, Any], Awaitable[T]]) -> tuple[T, int]:
-        """Await `attempt(timeout)` until it returns or the policy gives up. An awaited unary call has ended
-        (answered or failed) when the await returns, so attempts never overlap."""
-        run = self.retrier.begin(self.timeout)
-        stub_for = self._stub_picker()   # a retry goes to the next admission, when there are several
+        """Await `attempt(timeout, stub)` until it returns or the policy gives up (`UnaryRun`)."""
+        run = self._unary_run()
         while True:
             try:
-                timeout = run.attempt_timeout()
-                return await attempt(timeout, stub_for(run.attempts)), run.attempts
+                return await attempt(*run.next_attempt()), run.attempts
             except TetherError as error:
-                delay = run.after_failure(error)
-                if delay is None:
-                    raise
+                delay = run.delay_after(error)
             await _sleep(self.retrier, delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> AsyncStream:

@@ -13,8 +13,7 @@ from tether.client.common import ClientCore, Starter, StreamCore
 from tether.client.errors import TetherError, from_rpc_error
 from tether.client.receipt import Sent
 from tether.client.retry import Retrier, RetryPolicy, RetryRun
-from tether.client.wire import (GenerateResult, Messages, encode_messages, encode_prompt, result_from_response,
-                                sent_and_request, tag_request, tags_dict)
+from tether.client.wire import GenerateResult, Messages, result_from_response, sent_and_request, tags_dict
 from tether.types import Delta
 from tether.v1 import admission_pb2, admission_pb2_grpc
 
@@ -68,7 +67,7 @@ class Stream(StreamCore):
         self._call.cancel()
 
 
-class Client(ClientCore):
+class Client(ClientCore[Stream]):
     """`Client("127.0.0.1:50051")`: generate, stream and tag against an admission service.
 
     `timeout` (seconds) bounds every call, all its attempts together; None waits as long as the server takes.
@@ -117,33 +116,11 @@ class Client(ClientCore):
                                          tenant=tenant, priority=priority, request_id=request_id)
         return self._unary(request, sent, request_id)
 
-    def stream(self, prompt: str | bytes, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
-               tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start a request and return its `Stream` (see there: a broken stream resumes where it stopped); same
-        parameters as `generate`."""
-        sent, request = sent_and_request(prompt, None, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, tenant=tenant,
-                                         priority=priority, request_id=request_id)
-        return self._stream(request, sent, request_id)
-
-    def stream_chat(self, messages: Messages, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False,
-                    tenant: str = "", priority: str = "", request_id: str = "") -> Stream:
-        """Start the assistant's reply to a conversation (as `chat`) and return its `Stream` (a broken
-        stream resumes where it stopped)."""
-        sent, request = sent_and_request(None, messages, max_tokens=max_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                                         tenant=tenant, priority=priority, request_id=request_id)
-        return self._stream(request, sent, request_id)
-
     def tag(self, prompt: str | bytes | None = None, max_tokens: int = 64, tenant: str = "", priority: str = "",
             *, messages: Messages | None = None) -> dict[str, Any]:
         """The intent tags admission would give this prompt or conversation, without generating (dry run;
         retried like `generate`, as it takes the same concurrency slot)."""
-        pairs = encode_messages(messages) if messages is not None else ()
-        data = encode_prompt(prompt) if prompt is not None else b""
-        request = tag_request(data, max_tokens=max_tokens, tenant=tenant, priority=priority, messages=pairs)
+        request = self._tag_request(prompt, max_tokens, tenant, priority, messages)
 
         def attempt(timeout: float | None, stub: admission_pb2_grpc.AdmissionStub) -> dict[str, Any]:
             try:
@@ -164,19 +141,14 @@ class Client(ClientCore):
         return result
 
     def _with_retries(self, attempt: Callable[[float | None, Any], T]) -> tuple[T, int]:
-        """Run `attempt(timeout)` until it returns or the policy gives up. A blocking unary call has ended
-        (answered or failed) when it returns, so attempts never overlap."""
-        run = self.retrier.begin(self.timeout)
-        stub_for = self._stub_picker()   # a retry goes to the next admission, when there are several
+        """Run `attempt(timeout, stub)` until it returns or the policy gives up (`UnaryRun`)."""
+        run = self._unary_run()
         sleep = self.retrier.sleep if self.retrier.sleep is not None else time.sleep
         while True:
             try:
-                timeout = run.attempt_timeout()
-                return attempt(timeout, stub_for(run.attempts)), run.attempts
+                return attempt(*run.next_attempt()), run.attempts
             except TetherError as error:
-                delay = run.after_failure(error)
-                if delay is None:
-                    raise
+                delay = run.delay_after(error)
             sleep(delay)
 
     def _stream(self, request: admission_pb2.GenerateRequest, sent: Sent, request_id: str) -> Stream:
