@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checks and output")
     g.add_argument("--rss-interval", type=float, default=3.0, help="seconds between RSS samples (default: %(default)s)")
     g.add_argument("--rss-tolerance", type=float, default=0.10,
-                   help="allowed RSS growth from the first to the last third of the run (default: %(default)s)")
+                   help="allowed RSS growth of any service after the warm-up: its peak against its RSS then "
+                        "(default: %(default)s)")
+    g.add_argument("--warmup", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds of load after which RSS must hold (a third of --duration when that is shorter than "
+                        "two warm-ups) (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds to wait for the stages to hold nothing after the load (default: %(default)s)")
     g.add_argument("--out", type=Path, default=Path("bench-out/soak/report.json"),
@@ -122,7 +126,7 @@ async def _check_model(target: str, pool: list[Combo], model: str) -> None:
     """One unary request first: the receipt says which model answers, and the references are only valid for ours."""
     async with AsyncClient(target, timeout=60, retry=None) as client:
         r = await client.generate(pool[0].request.prompt, **pool[0].request.params())
-    want = reference.load(model).fingerprint
+    want = reference.load(model).served_fingerprint
     if r.receipt.model_fingerprint != want:
         raise SystemExit(f"soak: {target} serves model {r.receipt.model_fingerprint}, --model {model} is {want}")
 
@@ -171,8 +175,8 @@ async def soak(args: argparse.Namespace, target: str, stages: dict[str, str], co
                         delivered_tokens_per_s=round((tally.exact_tokens + tally.cancelled_tokens) / wall, 1),
                         cancelled_per_s=round(by_class[CANCELLED] / wall, 3),
                         refused_per_s=round(by_class[REFUSED] / wall, 3)),
-        rss=dict(tolerance=args.rss_tolerance, interval_s=args.rss_interval,
-                 services=sampler.flatness(t0, deadline)),
+        rss=dict(tolerance=args.rss_tolerance, interval_s=args.rss_interval, warmup_s=args.warmup,
+                 services=sampler.flatness(t0, deadline, args.warmup)),
         services_exited=sorted(sampler.exited),
         state_before=state_before,
         state_after=dict(drained=drained, waited_s=waited, state=state),

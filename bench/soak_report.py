@@ -19,10 +19,10 @@ def failures(report: dict) -> list[str]:
     tolerance = report["rss"]["tolerance"]
     for name, r in report["rss"]["services"].items():
         if r["growth"] is None:
-            out.append(f"{name}: too few RSS samples to compare the first and last third")
+            out.append(f"{name}: too few RSS samples after the warm-up to compare")
         elif r["growth"] > tolerance:
-            out.append(f"{name}: RSS grew {r['growth']:+.1%} from the first to the last third "
-                       f"({r['first_mib']} -> {r['last_mib']} MiB; tolerance {tolerance:.0%})")
+            out.append(f"{name}: RSS grew {r['growth']:+.1%} after the warm-up ({r['warm_mib']} MiB then, "
+                       f"{r['peak_mib']} at its peak, {r['end_mib']} at the end; tolerance {tolerance:.0%})")
     if report["services_exited"]:
         out.append(f"service(s) exited during the soak: {', '.join(report['services_exited'])}")
     after = report["state_after"]
@@ -72,10 +72,16 @@ def summary(report: dict) -> str:
                   f"tok/s delivered (cancelled partials included), {tp['refused_per_s']:.2f} refusals/s", ""]
     rss = report["rss"]
     if rss["services"]:
-        lines += _table(["service", "RSS first third MiB", "last third MiB", "peak MiB", "growth", "samples"],
-                        [[n, str(r["first_mib"]), str(r["last_mib"]), str(r.get("peak_mib")),
-                          "n/a" if r["growth"] is None else f"{r['growth']:+.1%}", str(r["samples"])]
-                         for n, r in rss["services"].items()])
+        rows = [[n, str(r["start_mib"]), str(r["warm_mib"]), str(r["end_mib"]), str(r["peak_mib"]),
+                 "n/a" if r["growth"] is None else f"{r['growth']:+.1%}", str(r["samples"])]
+                for n, r in rss["services"].items()]
+        known = [r for r in rss["services"].values() if r["growth"] is not None]
+        if known:
+            total = {k: round(sum(r[k] for r in known), 1) for k in ("start_mib", "warm_mib", "end_mib")}
+            rows.append(["all", str(total["start_mib"]), str(total["warm_mib"]), str(total["end_mib"]), "", "", ""])
+        lines += [f"RSS (MiB) at the start, after {rss['warmup_s']:g} s of load, at the end; growth = the peak after "
+                  f"the warm-up against it (tolerance {rss['tolerance']:.0%}):"]
+        lines += _table(["service", "start", "warm", "end", "peak", "growth", "samples"], rows)
     else:
         lines.append("RSS: not sampled (attached to --target without --pids)")
     after = report["state_after"]

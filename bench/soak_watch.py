@@ -50,20 +50,23 @@ class RssSampler:
             self.sample()
             await asyncio.sleep(self.interval_s)
 
-    def flatness(self, t0: float, t1: float) -> dict[str, dict]:
-        """Per process: median RSS (MiB) of the samples in the first and the last third of [t0, t1], and the
-        growth from one to the other. Medians, so one sample taken mid-allocation does not decide it."""
-        third = (t1 - t0) / 3
+    def flatness(self, t0: float, t1: float, warmup_s: float) -> dict[str, dict]:
+        """Per process, in MiB: RSS at the start (the first sample, before the load), after the warm-up (`warmup_s`
+        of load; a third of [t0, t1] when the run is shorter than two warm-ups), at the end, and the peak after
+        the warm-up; `growth` is that peak against the warm-up figure. Each figure but the start is a median of
+        three samples in a row, so one sample taken mid-allocation does not decide it."""
+        warm_at = t0 + (warmup_s if t1 - t0 >= 2 * warmup_s else (t1 - t0) / 3)
         out = {}
         for name, series in self.samples.items():
-            first = [kib for t, kib in series if t0 <= t < t0 + third]
-            last = [kib for t, kib in series if t1 - third <= t <= t1]
-            if not first or not last:
-                out[name] = dict(samples=len(series), first_mib=None, last_mib=None, growth=None)
+            after = [kib for t, kib in series if warm_at <= t <= t1]
+            smooth = [median(after[i:i + 3]) for i in range(max(0, len(after) - 2))]
+            if not series or len(smooth) < 2:
+                out[name] = dict(samples=len(series), start_mib=None, warm_mib=None, end_mib=None, peak_mib=None,
+                                 growth=None)
                 continue
-            a, b = median(first) / 1024, median(last) / 1024
-            out[name] = dict(samples=len(series), first_mib=round(a, 1), last_mib=round(b, 1),
-                             peak_mib=round(max(kib for _, kib in series) / 1024, 1), growth=round(b / a - 1, 4))
+            warm, end, peak = smooth[0] / 1024, smooth[-1] / 1024, max(smooth) / 1024
+            out[name] = dict(samples=len(series), start_mib=round(series[0][1] / 1024, 1), warm_mib=round(warm, 1),
+                             end_mib=round(end, 1), peak_mib=round(peak, 1), growth=round(peak / warm - 1, 4))
         return out
 
 

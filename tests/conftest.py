@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # is most of a stage's start-up, and the suite starts ~120 stages. Inherited by the CLIs the tests run;
 # tests/tether/cli/test_up.py turns it off to keep the plain subprocess path covered.
 os.environ.setdefault("TETHER_FORK_SERVER", "1")
+# A stage's KV pool is mapped as it is used, not made resident at start (--kv-prefault, ~0.4 s a GiB per stage):
+# no test soaks, and the suite starts ~120 stages. bench/soak.py runs with it, as `tether up` does.
+os.environ.setdefault("TETHER_KV_PREFAULT", "0")
 
 import pytest  # noqa: E402 - after the environment is set
 

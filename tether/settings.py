@@ -3,17 +3,22 @@
 Services expose these as command-line flags; the flags' defaults come from this module.
 """
 
+import os
+
 # 2: the payload digest binds every slot's MAC and row layout, not only its context hash (issue 23).
 PROTOCOL_VERSION = 2
 
-# Ports of the local cluster (`tether up`); stage i listens on STAGE_BASE_PORT + i.
+# Ports. `tether up` fixes only what a user connects to (admission's gRPC and HTTP, /metrics when asked) and
+# reserves them before it starts anything; its stages and coordinators take ports the kernel gives them and
+# report them (tether/ports.py). The internal defaults are each service's own --port, which the containers of
+# docker-compose.yml and deploy/k8s use (each service in its own network namespace: nothing else binds there).
 ADMISSION_PORT = 50051
 HTTP_PORT = 8000               # admission's OpenAI-compatible HTTP API (vLLM's default port)
 HTTP_SSE_PING_S = 15.0         # an SSE comment line this often keeps idle proxies from closing a slow stream
 HTTP_MAX_CONNECTIONS = 1024    # open HTTP connections + requests beyond which uvicorn answers 503 at once
 HTTP_KEEPALIVE_S = 30.0        # an idle keep-alive HTTP connection is closed after this
 COORDINATOR_PORT = 50061
-STAGE_BASE_PORT = 50071
+STAGE_BASE_PORT = 50071        # the containers' stage i listens on this + i
 
 # The model `tether up`, `make run` and `tether bench` serve: SmolLM2-135M-Instruct, converted once from its GGUF
 # (tether/model/smollm2.py). The random presets tiny/small/base are for unit tests and kernel benchmarks.
@@ -140,6 +145,15 @@ NATIVE_KERNELS_ENV = "TETHER_NATIVE_KERNELS"   # "0": never build or use our C k
 # (coordinator, admission) once (tether/forkserver/), not a fresh interpreter each; the tests set it (a stage's
 # start saves ~5 CPU-s of import on a 2-core AMD EPYC without AVX-512).
 FORK_SERVER_ENV = "TETHER_FORK_SERVER"
+# "0": a stage's KV pool is not made resident at start (--no-kv-prefault's default; the tests set it: they start
+# ~120 stages, each ~0.4 s of page faults a GiB, and none soaks)
+KV_PREFAULT_ENV = "TETHER_KV_PREFAULT"
+
+
+def kv_prefault() -> bool:
+    """--kv-prefault's default: on unless $TETHER_KV_PREFAULT is "0"."""
+    return os.environ.get(KV_PREFAULT_ENV, "1") != "0"
+
 
 # Hostile input on the stage protocol (docs/PROTOCOL.md): a stage serves at most this many Forward streams at
 # once (RESOURCE_EXHAUSTED beyond) and closes a stream with no frame in and no reply out for STREAM_IDLE_S

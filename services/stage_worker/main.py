@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "this slice's layers, KV heads and dtype (default: %(default)s)")
     p.add_argument("--kv-capacity", type=int, default=0, metavar="POSITIONS",
                    help="the KV pool in context positions instead of --kv-memory-mib (default: from the memory)")
+    p.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=settings.kv_prefault(),
+                   help="make the whole KV pool resident at start, so that this process's RSS is from the start what "
+                        "it will use under load (~0.4 s a GiB); --no-kv-prefault maps its pages as blocks are first "
+                        f"used, and RSS then grows under load up to the pool's size (default: on; "
+                        f"${settings.KV_PREFAULT_ENV}=0 turns it off)")
     p.add_argument("--lease", type=float, default=settings.KV_LEASE_S,
                    help="free a request's state after this many idle seconds (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=settings.MAX_FORWARD_STREAMS,
@@ -88,12 +93,18 @@ def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> Stage
     finally:
         torch.set_num_threads(threads)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)
-    log.info("KV pool: %d positions (%.0f MiB at %d bytes per position)", kv_capacity,
-             kv_capacity * model.kv_bytes_per_position / 2**20, model.kv_bytes_per_position)
     checks = not args.unsafe_disable_stamp_checks
-    return StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype),
-                       stamp_checks=checks, limits=FrameLimits(args.max_frame_rows, args.max_frame_slots),
-                       alone_threads=alone, threads=threads)
+    worker = StageWorker(model, index=0, kv_capacity_tokens=kv_capacity, dtype=numerics.name_of(model.dtype),
+                         stamp_checks=checks, limits=FrameLimits(args.max_frame_rows, args.max_frame_slots),
+                         alone_threads=alone, threads=threads, kv_prefault=args.kv_prefault)
+    arena = worker.arena
+    mib = arena.num_blocks * arena.block_bytes / 2**20
+    log.info("KV pool: %d positions, %.0f MiB (%d bytes per position), %s", kv_capacity, mib,
+             model.kv_bytes_per_position,
+             "resident from the start (--kv-prefault)" if arena.prefaulted else
+             f"NOT resident yet: this process's RSS grows by up to {mib:.0f} MiB as the pool's blocks are first "
+             "used under load (--kv-prefault makes it resident at start)")
+    return worker
 
 
 async def serve(args: argparse.Namespace) -> None:

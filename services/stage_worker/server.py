@@ -287,6 +287,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stats.prefix_evictions = pool.counters.evictions
             stats.kv_blocks_used, stats.kv_blocks_cached = pool.used, len(pool.evictable)
             stats.kv_blocks_total = pool.capacity
+            stats.kv_blocks_touched = w.arena.touched_blocks
+            stats.kv_block_bytes = w.arena.block_bytes
             return stats
         return await asyncio.get_running_loop().run_in_executor(self.executor, snapshot)
 

@@ -66,7 +66,8 @@ class StageWorker:
 
     def __init__(self, model: ModelSlice, index: int, kv_capacity_tokens: int, dtype: str | None = None,
                  stamp_checks: bool = True, limits: FrameLimits = FrameLimits(),
-                 stamp_key: StampKey | None = None, alone_threads: int = 0, threads: int = 0) -> None:
+                 stamp_key: StampKey | None = None, alone_threads: int = 0, threads: int = 0,
+                 kv_prefault: bool = False) -> None:
         self.model = model
         # Threads a step takes when its frame is the only micro-batch in the pipeline (`alone`), the other stages'
         # cores then idle; 0: the process's own count, as any other step.
@@ -79,7 +80,7 @@ class StageWorker:
         # The pipeline's stamp key, set by each handshake. None until then: every slot is refused (fail closed).
         self.stamp_key = stamp_key
         # Every request's KV lives in this arena; its block pool bounds the KV and keeps the prefix cache.
-        self.arena = model.new_arena(kv_capacity_tokens)
+        self.arena = model.new_arena(kv_capacity_tokens, kv_prefault)
         # stamp_checks=False is --unsafe-disable-stamp-checks, decided here once: the experiment-only state class
         # without the checks (services/stage_worker/unchecked.py). Never a default.
         state = StageState if stamp_checks else UncheckedStageState

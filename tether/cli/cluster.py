@@ -324,6 +324,14 @@ class LocalCluster:
             if svc.name.endswith("coordinator"):
                 self.wait_ready(max(1.0, deadline - time.monotonic()), svc.name, supervisor=supervisor)
         self.wait_ready(max(1.0, deadline - time.monotonic()), supervisor=supervisor)
+        # Every child's last report (a stage may write it a moment after its coordinator saw it serve): the
+        # ports bound after it started serving (/metrics) are known from it
+        while not all(s.came_up for s in self.services):
+            if time.monotonic() > deadline:
+                late = ", ".join(s.name for s in self.services if not s.came_up)
+                raise TimeoutError(f"{late} did not report serving in time")
+            self._check_children(supervisor)
+            time.sleep(0.02)
         return self
 
     def launch(self, timeout: float = 120.0, supervisor: StartupSupervisor | None = None) -> "LocalCluster":
@@ -346,8 +354,10 @@ class LocalCluster:
         tls_dir = self.tls_dir if self.tls else None
         metrics = None
         if self.metrics:
-            metrics = {name: 0 for name in default_metrics_ports(stages, n)} if auto else \
-                default_metrics_ports(stages, n)
+            # --metrics-port 0 means off, so not the kernel's pick: free ports below the ephemeral range, where no
+            # outgoing connection can take one (free_port)
+            metrics = {name: free_port(settings.METRICS_HOST) for name in default_metrics_ports(stages, n)} if auto \
+                else default_metrics_ports(stages, n)
         http_port = None if not self.http else 0 if auto else self.http_port
         # What a user connects to is held from now until its service binds it: a second `tether up` on this
         # machine fails here, before a model is loaded.
@@ -358,8 +368,7 @@ class LocalCluster:
                 if http_port is not None:
                     held["admission"].append(ports.reserve(host, http_port, "--http-port"))
             for name, port in (metrics or {}).items():
-                if port:
-                    held.setdefault(name, []).append(ports.reserve(settings.METRICS_HOST, port, "--metrics"))
+                held.setdefault(name, []).append(ports.reserve(settings.METRICS_HOST, port, "--metrics"))
             self.services = []
             deadline = time.monotonic() + timeout
             coordinators = []
@@ -446,6 +455,8 @@ class LocalCluster:
                 continue
             if not s.came_up and s.proc.poll() is None:
                 report = s.report()
+                if report is not None and report.ready:
+                    s.pin_ports(report)   # with the ports bound once it served (/metrics)
                 s.came_up = report.ready if report is not None else s.port_file is None and listening(s.address)
             code = s.proc.poll()
             if code is not None and (reason := s.exit_reason(code)) is not None:

@@ -30,23 +30,43 @@ class BlockArena:
     """Keys and values of every request on one slice: per layer a [blocks, kv_heads, block, head_dim] tensor.
 
     Which blocks are held, shared or cached is `pool`'s business (tether/kv/blocks.py, the same policy the
-    coordinator's ledger runs); the arena holds the tensors and the owner tags. The tensors grow by doubling
-    (a copy, amortised) up to the pool's capacity and never shrink.
+    coordinator's ledger runs); the arena holds the tensors and the owner tags. A bounded arena (a stage's pool)
+    takes its whole capacity at once, never copied: its pages become resident as blocks are first handed out,
+    unless `prefault` touches them all now, so that the process's RSS at start is what it will use. An unbounded
+    one (a reference model's) grows by doubling (a copy, amortised) and never shrinks. Every block is zeroed
+    when it is handed out, so no block is read before it was written.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block: int,
-                 max_blocks: int | None = None) -> None:
+                 max_blocks: int | None = None, prefault: bool = False) -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.block = (
             num_layers, kv_heads, head_dim, dtype, block)
         self.pool = BlockPool(max_blocks if max_blocks is not None else UNBOUNDED_BLOCKS)
-        self.k = [self._zeros(0) for _ in range(num_layers)]
-        self.v = [self._zeros(0) for _ in range(num_layers)]
-        self.owner = torch.zeros(0, dtype=torch.long)   # tag of the blocks' contents; 0 = free
+        blocks = max_blocks or 0
+        self.k = [self._empty(blocks) for _ in range(num_layers)]
+        self.v = [self._empty(blocks) for _ in range(num_layers)]
+        self.prefaulted = prefault and blocks > 0
+        if self.prefaulted:
+            for t in self.k + self.v:
+                t.zero_()
+        self.owner = torch.zeros(blocks, dtype=torch.long)   # tag of the blocks' contents; 0 = free
         self._serials = itertools.count(1)
         self._heads = torch.arange(kv_heads)
 
-    def _zeros(self, blocks: int) -> torch.Tensor:
-        return torch.zeros(blocks, self.kv_heads, self.block, self.head_dim, dtype=self.dtype)
+    def _empty(self, blocks: int) -> torch.Tensor:
+        # Uninitialised: a large tensor is fresh pages the kernel maps on first touch (allocate zeroes a block)
+        return torch.empty(blocks, self.kv_heads, self.block, self.head_dim, dtype=self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer, keys and values."""
+        return 2 * self.num_layers * self.kv_heads * self.block * self.head_dim * self.dtype.itemsize
+
+    @property
+    def touched_blocks(self) -> int:
+        """Blocks whose memory is resident: every one when prefaulted, else those ever handed out (the pool
+        hands out a never-used block only when no freed one is left, so this is its high-water mark)."""
+        return self.num_blocks if self.prefaulted else min(self.pool.fresh, self.num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +118,7 @@ class BlockArena:
         new = max(min(new, self.pool.capacity), old + at_least)
         for layers in (self.k, self.v):
             for i, t in enumerate(layers):
-                grown = self._zeros(new)
+                grown = self._empty(new)
                 grown[:old] = t
                 layers[i] = grown
         self.owner = torch.cat([self.owner, self.owner.new_zeros(new - old)])

@@ -224,12 +224,13 @@ class ModelSlice(nn.Module):
         per_block = max(1, self.kv_bytes_per_position * block)
         return int(mib * 2**20) // per_block * block
 
-    def new_arena(self, capacity_tokens: int | None) -> BlockArena:
+    def new_arena(self, capacity_tokens: int | None, prefault: bool = False) -> BlockArena:
         """A paged KV arena for this slice holding up to `capacity_tokens` (whole blocks of it; None:
-        unbounded). A stage worker owns one; `new_kv` keeps a default one."""
+        unbounded), its memory resident now with `prefault`. A stage worker owns one; `new_kv` keeps a default
+        one."""
         block = settings.ATTENTION_BLOCK
         return BlockArena(self.num_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, block,
-                          None if capacity_tokens is None else capacity_tokens // block)
+                          None if capacity_tokens is None else capacity_tokens // block, prefault)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, slots: list[SlotRows], wide: int = 0) -> torch.Tensor:

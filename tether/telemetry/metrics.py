@@ -198,6 +198,10 @@ class StageCollector(_StatsCollector):
         yield _gauge("stage_kv_blocks_cached", "KV blocks kept for prefix hits on this stage (evictable)",
                      s.kv_blocks_cached)
         yield _gauge("stage_kv_blocks_total", "This stage's KV pool in blocks", s.kv_blocks_total)
+        yield _gauge("stage_kv_pool_bytes", "This stage's KV pool in bytes", s.kv_blocks_total * s.kv_block_bytes)
+        yield _gauge("stage_kv_resident_bytes", "Bytes of the KV pool resident in memory: all of it with "
+                     "--kv-prefault, else the blocks ever used (grows under load up to stage_kv_pool_bytes)",
+                     s.kv_blocks_touched * s.kv_block_bytes)
         yield _gauge("stage_kv_used_tokens", "KV positions held on this stage", s.kv_used_tokens)
         yield _gauge("stage_kv_capacity_tokens", "This stage's KV pool in positions", s.kv_capacity_tokens)
         yield _gauge("stage_forward_streams", "Forward streams open now", s.forward_streams)

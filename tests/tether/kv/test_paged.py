@@ -150,13 +150,52 @@ def test_gather_returns_the_plain_layout(arena):
     assert torch.equal(k, keys.transpose(0, 1)) and torch.equal(v, torch.zeros(2, BLOCK + 2, 3))
 
 
-def test_growth_stops_at_the_pools_capacity():
+def test_a_bounded_arena_holds_its_capacity_and_no_more():
     arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=20)
-    kv = PagedKV(arena)
-    kv.ensure(10 * BLOCK)
-    assert arena.num_blocks == 16
-    kv.ensure(17 * BLOCK)                      # past the first 16 blocks: doubling would make 32
     assert arena.num_blocks == 20
+    kv = PagedKV(arena)
+    kv.ensure(17 * BLOCK)
     with pytest.raises(NoCapacity):
         kv.ensure(21 * BLOCK)
     assert arena.num_blocks == 20 and len(kv.blocks) == 17
+
+
+def test_an_unbounded_arena_grows_by_doubling_and_keeps_its_contents():
+    arena = BlockArena(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK)
+    assert arena.num_blocks == 0
+    kv = PagedKV(arena)
+    kv.ensure(10 * BLOCK)
+    fill(arena, kv, 3.0)
+    assert arena.num_blocks == 16
+    kv.ensure(17 * BLOCK)
+    assert arena.num_blocks == 32
+    assert bool((arena.k[0][kv.blocks[:10]] == 3.0).all()) and bool((arena.k[0][kv.blocks[10:]] == 0).all())
+
+
+def test_a_bounded_arena_is_one_allocation_touched_as_used():
+    """A stage's pool takes its whole capacity at once (no copy as it fills: the same tensors throughout) and
+    counts as resident only the blocks ever handed out; a freed block is handed out again before a new one."""
+    arena = BlockArena(num_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, block=BLOCK, max_blocks=8)
+    tensors = [t.data_ptr() for t in arena.k + arena.v]
+    assert arena.num_blocks == 8 and arena.touched_blocks == 0 and not arena.prefaulted
+    assert arena.block_bytes == 2 * 2 * 1 * BLOCK * 2 * 4
+    a = PagedKV(arena)
+    a.ensure(3 * BLOCK)
+    assert arena.touched_blocks == 3
+    fill(arena, a, 5.0)
+    a.release()
+    b = PagedKV(arena)
+    b.ensure(2 * BLOCK)                        # freed blocks first: nothing new is touched
+    assert arena.touched_blocks == 3
+    assert all(bool((arena.k[layer][blk] == 0).all()) for layer in range(2) for blk in b.blocks)   # zeroed
+    c = PagedKV(arena)
+    c.ensure(5 * BLOCK)                        # the last freed one, then 4 never used
+    assert arena.touched_blocks == 7
+    assert [t.data_ptr() for t in arena.k + arena.v] == tensors
+
+
+def test_a_prefaulted_arena_is_resident_and_zero_from_the_start():
+    arena = BlockArena(num_layers=1, kv_heads=2, head_dim=3, dtype=torch.float32, block=BLOCK, max_blocks=5,
+                       prefault=True)
+    assert arena.prefaulted and arena.touched_blocks == 5
+    assert all(bool((t == 0).all()) for t in arena.k + arena.v)

@@ -63,12 +63,15 @@ def test_stage_collector_maps_the_stage_stats():
     stats = stage_pb2.StageStats(requests_held=2, kv_blocks_used=5, kv_blocks_cached=3, kv_blocks_total=100,
                                  kv_used_tokens=300, kv_capacity_tokens=6400, busy_seconds=1.5, steps=40,
                                  prefix_queries=4, prefix_hits=1, rejections={"CONTEXT_HASH_MISMATCH": 3},
-                                 refusals={"FRAME_ROWS": 1}, forward_streams=1)
+                                 refusals={"FRAME_ROWS": 1}, forward_streams=1, kv_blocks_touched=7,
+                                 kv_block_bytes=4096)
     registry = CollectorRegistry()
     registry.register(metrics.StageCollector(lambda: stats))
     s = samples(registry)
     assert s[("tether:stage_requests_held", ())] == 2
     assert s[("tether:stage_kv_blocks_total", ())] == 100
+    assert s[("tether:stage_kv_pool_bytes", ())] == 100 * 4096
+    assert s[("tether:stage_kv_resident_bytes", ())] == 7 * 4096
     assert s[("tether:stage_busy_seconds_total", ())] == 1.5
     assert s[("tether:stage_steps_total", ())] == 40
     assert s[("tether:stage_prefix_cache_hit_rate", ())] == 0.25
