@@ -81,7 +81,7 @@ bench-overload: setup  ## two pipelines at 2x their saturating rate: priorities,
 bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
 	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
 
-soak: setup  ## a few hundred concurrent streams for ~5 minutes against a local cluster, with random cancels (not in `make test`)
+soak: setup  ## a few hundred concurrent streams for ~5 minutes with random cancels, every answer checked; RSS at start, after 1 min, at the end (exit 1 past +10% after 1 min)
 	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs
 
 clean:  ## remove the virtualenv, generated code and caches
