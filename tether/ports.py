@@ -27,10 +27,10 @@ EXIT_PORT_IN_USE = 78
 class PortInUse(OSError):
     """`port` on `host` is taken; `flag` is the option that moves it. str() is the one line a user reads."""
 
-    def __init__(self, host: str, port: int, flag: str, holder: str | None = None) -> None:
+    def __init__(self, host: str, port: int, flag: str, holder: str | None = None, advice: str | None = None) -> None:
         self.host, self.port, self.flag, self.holder = host, port, flag, holder
         by = f" (by {holder})" if holder else ""
-        super().__init__(errno.EADDRINUSE, f"port {port} on {host} is in use{by} — pass {flag} or free it")
+        super().__init__(errno.EADDRINUSE, f"port {port} on {host} is in use{by} — {advice or f'pass {flag} or free it'}")
 
     def __str__(self) -> str:
         return self.strerror or ""
@@ -120,9 +120,10 @@ def bind_error(host: str, port: int, flag: str, cause: BaseException | str) -> O
     return OSError(f"{flag} {port}: cannot listen on {host}:{port}: {reason}")
 
 
-def reserve(host: str, port: int, flag: str) -> socket.socket:
+def reserve(host: str, port: int, flag: str, advice: str | None = None) -> socket.socket:
     """Hold `port` on `host` (bound, not listening) until the service that will serve it starts: nothing else
-    (an outgoing connection's local port included) can take it meanwhile. PortInUse when it is taken now."""
+    (an outgoing connection's local port included) can take it meanwhile. PortInUse (saying `advice`, else to
+    pass `flag`) when it is taken now."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -130,7 +131,7 @@ def reserve(host: str, port: int, flag: str) -> socket.socket:
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortInUse(host, port, flag, holder(port)) from None
+            raise PortInUse(host, port, flag, holder(port), advice) from None
         raise OSError(f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return s
 

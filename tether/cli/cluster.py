@@ -368,7 +368,8 @@ class LocalCluster:
                 if http_port is not None:
                     held["admission"].append(ports.reserve(host, http_port, "--http-port"))
             for name, port in (metrics or {}).items():
-                held.setdefault(name, []).append(ports.reserve(settings.METRICS_HOST, port, "--metrics"))
+                held.setdefault(name, []).append(ports.reserve(
+                    settings.METRICS_HOST, port, "--metrics", f"free it, or run without --metrics ({name}'s /metrics)"))
             self.services = []
             deadline = time.monotonic() + timeout
             coordinators = []

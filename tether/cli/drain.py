@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                "may drain), 2 a usage error. Afterwards the coordinator keeps refusing work until it is restarted, "
                "unless --exit asked it to stop once drained.")
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
-                   help=f"the coordinator's gRPC address (its --port, {settings.COORDINATOR_PORT} by default)")
+                   help=f"the coordinator's gRPC address: its --port ({settings.COORDINATOR_PORT} in the containers); "
+                        "`tether up` lists where its coordinators listen")
     p.add_argument("--drain-seconds", type=float, default=0.0, metavar="N",
                    help="how long its running requests may finish there before they are handed back "
                         f"(0 to {settings.MAX_REQUEST_LIFETIME_S:g}; default 0: the coordinator's own "
