@@ -1,12 +1,17 @@
-"""Small helpers that several test files share: a clock the test moves by hand, whether a process lives, what a
-live cluster's stages and coordinator hold, and a model fed one request chunk by chunk."""
+"""Small helpers that several test files share: a clock the test moves by hand, whether a process lives, a
+cluster started for a block, what a live cluster's stages and coordinator hold, the reference's answer, a frame
+answered as the driver does, and a model fed one request chunk by chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -37,22 +42,79 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stage_state(cluster: LocalCluster) -> list[tuple[int, int]]:
-    """(requests held, KV tokens used) of each stage of a live cluster, from its Stats."""
+@contextlib.contextmanager
+def started(tmp_path_factory, timeout: float = 180, **options: Any) -> Iterator[LocalCluster]:
+    """A LocalCluster started (within `timeout` s) for the block and stopped when it ends, however it ends: a
+    test module's own cluster is `with started(tmp_path_factory, extra=...) as c: yield c`. `options` are
+    LocalCluster's; unless they say otherwise, the tiny model on 2 stages of 1 thread each, logging to a fresh
+    folder (the `cluster` fixture's settings, tests/conftest.py)."""
+    options = {"model": "tiny", "stages": 2, "threads": 1, **options}
+    if "log_dir" not in options:
+        options["log_dir"] = tmp_path_factory.mktemp("logs")
+    cluster = LocalCluster(**options)
+    cluster.start(timeout=timeout)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def tenants_file(tmp_path_factory, text: str) -> Path:
+    """Admission's tenants file (`--tenants FILE`) holding `text`, in a fresh folder."""
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text(text)
+    return path
+
+
+def stage_stats(cluster: LocalCluster) -> list[stage_pb2.StageStats]:
+    """The Stats of each stage of a live (plaintext) cluster, in the cluster's order."""
     out = []
     for svc in cluster.services:
         if svc.name.startswith("stage"):
             with grpc.insecure_channel(svc.address) as ch:
-                s = stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5)
-            out.append((s.requests_held, s.kv_used_tokens))
+                out.append(stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5))
     return out
+
+
+def coordinator_stats(cluster: LocalCluster) -> coordinator_pb2.StatsReply:
+    """The Stats of a live (plaintext) cluster's coordinator."""
+    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
+        return coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
+
+
+def stage_state(cluster: LocalCluster) -> list[tuple[int, int]]:
+    """(requests held, KV tokens used) of each stage of a live cluster, from its Stats."""
+    return [(s.requests_held, s.kv_used_tokens) for s in stage_stats(cluster)]
 
 
 def coordinator_running(cluster: LocalCluster) -> tuple[int, int]:
     """(running, waiting) requests of a live cluster's coordinator, from its Stats."""
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        s = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
+    s = coordinator_stats(cluster)
     return s.running, s.waiting
+
+
+def exact_ids(prompt: str, max_tokens: int) -> list[int]:
+    """The token ids the tiny model's reference generates for `prompt`, EOS ignored: what a cluster serving
+    "tiny" must answer, token for token."""
+    from tether import reference   # imports torch: only where a test asks
+
+    return reference.generate(prompt, "tiny", max_tokens=max_tokens, ignore_eos=True).token_ids
+
+
+def answer_frame(sched, batch: list, token: int = 66) -> None:
+    """What the coordinator's driver does when every echo of a frame of `batch` matches: free the frame slot,
+    confirm each request's stamp with the scheduler (`Scheduler.confirmed`: the ledger caches its new full
+    blocks) and append `token` to those that sampled (a prefill chunk samples nothing)."""
+    from services.stage_worker.worker import echo
+
+    sched.frame_done()
+    for r in batch:
+        assert r.echo_matches(echo(r.sent))
+        samples = r.samples
+        r.frame_over()
+        sched.confirmed(r)
+        if samples:
+            r.seq.append(token)
 
 
 def run_chunks(slices, ids: list[int], chunks: list[int]):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from services.coordinator.ledger import BlockLedger
 from services.coordinator.scheduler import Request, Scheduler
-from services.stage_worker.worker import echo
 from tether.generation.sequence import Sequence
 from tether.kv.blocks import BlockPool, block_keys
 from tether.kv.blocks import NoCapacity
@@ -14,6 +13,7 @@ from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.priority import Priority
 from tether.protocol.hashing import hash_seed
 from tether.reference import sampling_params
+from tests.helpers import answer_frame
 
 import pytest
 
@@ -33,17 +33,6 @@ def sched_with(capacity: int, caching: bool = True, stages: int = 1) -> Schedule
     s = Scheduler(num_stages=stages, max_slots=32, max_tokens=10_000)
     s.ledger.configure(capacity, B, caching)
     return s
-
-
-def complete(s: Scheduler, batch: list[Request], token: int = 66) -> None:
-    s.frame_done()
-    for r in batch:
-        assert r.echo_matches(echo(r.sent))
-        samples = r.samples
-        r.frame_over()
-        s.confirmed(r)
-        if samples:
-            r.seq.append(token)
 
 
 def finish(s: Scheduler, r: Request) -> None:
@@ -132,7 +121,7 @@ def test_decode_growth_preempts_the_lowest_priority_youngest_request():
         s.add(r)
     batch = s.next_batch()
     assert {r.id for r in batch} == {"old", "crit", "young"} and s.ledger.used == 3
-    complete(s, batch)                             # each holds 5 positions of context now: needs 2 blocks
+    answer_frame(s, batch)                         # each holds 5 positions of context now: needs 2 blocks
     batch = s.next_batch()
     # crit first (priority order at admission), then old: young, the lowest-ranked, is preempted for room
     assert s.figures.preemptions >= 1 and young.preempted and young.releasing
@@ -146,7 +135,7 @@ def test_a_preempted_request_waits_for_its_release_then_recomputes_its_whole_con
     a, b = req("a", prompt=4, max_tokens=8), req("b", prompt=4, max_tokens=8)
     s.add(a)
     s.add(b)
-    complete(s, s.next_batch())
+    answer_frame(s, s.next_batch())
     s._preempt(b)                                  # (as _make_room does when decode growth runs out)
     assert b.preempted and b.releasing and s.preempted == [b] and s.waiting[0] is b
     assert b.epoch == 2 and b.fed == 0 and b.retries == 0        # not charged to its budget
@@ -167,7 +156,7 @@ def critical_and_sheddable_in_two_blocks() -> tuple[Scheduler, Request, Request]
     lo = req("lo", prompt=4, max_tokens=4, priority="sheddable")
     s.add(hi)
     s.add(lo)
-    complete(s, s.next_batch())
+    answer_frame(s, s.next_batch())
     return s, hi, lo
 
 
@@ -205,7 +194,7 @@ def test_kv_pressure_completes_every_request_with_preemptions_and_no_refusals():
         assert s.ledger.used <= 8
         if not batch:
             continue
-        complete(s, batch)
+        answer_frame(s, batch)
         for r in batch:
             if r.seq.finished:
                 finish(s, r)
@@ -222,7 +211,7 @@ def served(s: Scheduler, prompt: list[int]) -> Request:
     """A one-token request run to its end: its full blocks are cached in the ledger afterwards."""
     r = req("first", prompt=prompt, max_tokens=1)
     s.add(r)
-    complete(s, s.next_batch())
+    answer_frame(s, s.next_batch())
     finish(s, r)
     return r
 

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from tether import reference
-from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient, Client
+from tests.helpers import started
 
 MODEL = "smollm2"
 CASES = [   # short answers: the in-process reference runs each alone, and the whole file stays under a minute
@@ -28,12 +28,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    c = LocalCluster(model=MODEL, stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"))
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, model=MODEL) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_concurrent_requests_equal_the_reference(smol):

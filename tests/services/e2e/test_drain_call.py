@@ -18,6 +18,7 @@ import pytest
 from tether import reference
 from tether.cli.cluster import LocalCluster, free_port
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.helpers import started
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,12 +32,8 @@ def tether_drain(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=1, threads=1, log_dir=tmp_path_factory.mktemp("logs"), tls=True)
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, stages=1, tls=True) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _stats(cluster: LocalCluster) -> coordinator_pb2.StatsReply:

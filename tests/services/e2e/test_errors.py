@@ -11,7 +11,8 @@ import pytest
 from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, TetherError
-from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2
+from tests.helpers import coordinator_stats
 
 
 @pytest.mark.parametrize("prompt, params, words", [
@@ -104,8 +105,7 @@ def test_stage_killed_and_restarted_mid_generation_requests_complete_exactly(tmp
             want = reference.generate(f"long request {i}", max_tokens=max_tokens, ignore_eos=True,
                                       temperature=1.0, seed=i + 1)
             assert got.token_ids == want.token_ids
-        with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-            stats = coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
+        stats = coordinator_stats(cluster)
         assert stats.pipeline_reconnects >= 1 and stats.rebuilds >= 1 and stats.recovered >= 1
     finally:
         cluster.stop()

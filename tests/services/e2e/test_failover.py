@@ -19,7 +19,7 @@ from tether.cli.cluster import LocalCluster, wait_serving
 from tether.cli.supervisor import RestartPolicy, RollingRestart, Supervisor
 from tether.cli.up import coordinator_serving
 from tether.client import AsyncClient
-from tests.helpers import wait_admission_routes_every_pipeline
+from tests.helpers import started, wait_admission_routes_every_pipeline
 
 PROMPTS = ["从前有一座山，山上有", "The quick brown fox", "请用一句话介绍长城", "Once upon a time there"]
 N = 16
@@ -36,14 +36,10 @@ def case(i: int) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def two_pipelines(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=1, pipelines=2, threads=1, metrics=True,
-                     log_dir=tmp_path_factory.mktemp("logs"), extra={"coordinator": ["--drain-seconds", "0.3"]})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, stages=1, pipelines=2, metrics=True,
+                 extra={"coordinator": ["--drain-seconds", "0.3"]}) as c:
         wait_admission_routes_every_pipeline(c)
         yield c
-    finally:
-        c.stop()
 
 
 def resumed_total(cluster: LocalCluster, reason: str = "") -> float:

@@ -15,8 +15,8 @@ import pytest
 from tether import reference, settings
 from tether.cli.cluster import LocalCluster, free_port
 from tether.client import Client, TetherError
-from tether.v1 import (admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc,
-                       stage_pb2, stage_pb2_grpc)
+from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.helpers import stage_stats, started
 
 LIFETIME_S = 4.0
 
@@ -24,22 +24,13 @@ LIFETIME_S = 4.0
 @pytest.fixture(scope="module")
 def short_lived(tmp_path_factory):
     lifetime = ["--max-request-seconds", str(LIFETIME_S)]
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"admission": [*lifetime, "--max-concurrent", "2"], "coordinator": lifetime})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory,
+                 extra={"admission": [*lifetime, "--max-concurrent", "2"], "coordinator": lifetime}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _stages_hold(cluster: LocalCluster) -> list[int]:
-    out = []
-    for svc in cluster.services:
-        if svc.name.startswith("stage"):
-            with grpc.insecure_channel(svc.address) as ch:
-                out.append(stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5).requests_held)
-    return out
+    return [s.requests_held for s in stage_stats(cluster)]
 
 
 def _until(predicate, timeout: float = 30.0, what: str = "condition"):

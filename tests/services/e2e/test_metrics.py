@@ -18,6 +18,7 @@ from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 from tether.client.errors import InvalidArgument
 from tether.telemetry.metrics import metric_names
+from tests.helpers import started
 
 SERVICES = ("stage0", "stage1", "coordinator", "admission")
 CASES = [  # prompt, max_tokens, tenant, streamed
@@ -33,13 +34,8 @@ CASES = [  # prompt, max_tokens, tenant, streamed
 def mcluster(tmp_path_factory):
     extra = {role: ["--log-format", "json"] for role in ("stage", "coordinator")}
     extra["admission"] = ["--log-format", "json", "--log-level", "DEBUG"]
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"), metrics=True,
-                     extra=extra)
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, metrics=True, extra=extra) as c:
         yield c
-    finally:
-        c.stop()
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

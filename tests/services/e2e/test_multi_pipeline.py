@@ -15,10 +15,9 @@ import grpc
 import pytest
 
 from tether import reference
-from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.helpers import wait_admission_routes_every_pipeline
+from tests.helpers import started, wait_admission_routes_every_pipeline
 
 PROMPTS = ["Explain in under 30 words why the sky is blue.", "写一首关于秋天的短诗", "def fib(n):",
            "Summarize: the quick brown fox jumps over the lazy dog.", "你好", "A" * 200]
@@ -26,11 +25,10 @@ PROMPTS = ["Explain in under 30 words why the sky is blue.", "写一首关于秋
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    c = LocalCluster(model="tiny", stages=1, pipelines=2, threads=1, metrics=True,
-                     log_dir=tmp_path_factory.mktemp("two-pipelines")).start(timeout=180)
-    wait_admission_routes_every_pipeline(c)   # the spread test needs admission to see both
-    yield c
-    c.stop()
+    with started(tmp_path_factory, stages=1, pipelines=2, metrics=True,
+                 log_dir=tmp_path_factory.mktemp("two-pipelines")) as c:
+        wait_admission_routes_every_pipeline(c)   # the spread test needs admission to see both
+        yield c
 
 
 def _cases(n: int, tag: str) -> list[dict]:

@@ -13,34 +13,14 @@ import asyncio
 import grpc
 import pytest
 
-from tether import reference
-from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
-from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.helpers import coordinator_stats, exact_ids, stage_stats, started
 
 # ~300 tokens of shared "system prompt" (byte-level tiny tokenizer: several 64-position blocks)
 SYSTEM = ("You are a careful assistant for a city library. Answer briefly, cite the shelf, never invent a title. "
           * 3)
 QUESTIONS = ["Where are the atlases?", "Do you lend telescopes?", "Opening hours on Sunday?",
              "Is there a quiet room?", "Can I renew online?", "Where is the children's corner?"]
-
-
-def _want(prompt: str, max_tokens: int) -> list[int]:
-    return reference.generate(prompt, "tiny", max_tokens=max_tokens, ignore_eos=True).token_ids
-
-
-def _coordinator(cluster: LocalCluster) -> coordinator_pb2.StatsReply:
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        return coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
-
-
-def _stages(cluster: LocalCluster) -> list[stage_pb2.StageStats]:
-    out = []
-    for svc in cluster.services:
-        if svc.name.startswith("stage"):
-            with grpc.insecure_channel(svc.address) as ch:
-                out.append(stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5))
-    return out
 
 
 async def _generate(target: str, prompts: list[str], max_tokens: int, tenant: str = "",
@@ -58,54 +38,49 @@ async def _generate(target: str, prompts: list[str], max_tokens: int, tenant: st
 def test_shared_prefixes_are_served_from_the_cache_exactly_and_never_across_tenants(cluster):
     prompts = [SYSTEM + q for q in QUESTIONS]
     first = asyncio.run(_generate(cluster.target, prompts[:1], 6, tenant="acme"))
-    before = _coordinator(cluster)
-    stages_before = _stages(cluster)
+    before = coordinator_stats(cluster)
+    stages_before = stage_stats(cluster)
     got = asyncio.run(_generate(cluster.target, prompts[1:], 6, tenant="acme"))
-    assert first + got == [_want(p, 6) for p in prompts]
-    after = _coordinator(cluster)
+    assert first + got == [exact_ids(p, 6) for p in prompts]
+    after = coordinator_stats(cluster)
     hits = after.prefix_hits - before.prefix_hits
     assert hits >= 1 and after.prefix_hit_tokens - before.prefix_hit_tokens >= 64 * hits
     assert after.prefix_misses == before.prefix_misses
     assert after.computed_tokens - before.computed_tokens < after.prompt_tokens - before.prompt_tokens
-    for b, a in zip(stages_before, _stages(cluster)):     # every stage confirmed what the coordinator sent
+    for b, a in zip(stages_before, stage_stats(cluster)):     # every stage confirmed what the coordinator sent
         assert a.prefix_hits - b.prefix_hits == hits and a.rejections.get("PREFIX_MISS", 0) == 0
 
     # the same prompts as another tenant: cached blocks exist, but none of them is theirs
-    before, stages_before = _coordinator(cluster), _stages(cluster)
+    before, stages_before = coordinator_stats(cluster), stage_stats(cluster)
     got = asyncio.run(_generate(cluster.target, prompts[:1], 6, tenant="globex"))
-    assert got == [_want(prompts[0], 6)]
-    after = _coordinator(cluster)
+    assert got == [exact_ids(prompts[0], 6)]
+    after = coordinator_stats(cluster)
     assert after.prefix_hits == before.prefix_hits and after.prefix_queries == before.prefix_queries + 1
-    assert [s.prefix_hits for s in _stages(cluster)] == [s.prefix_hits for s in stages_before]
+    assert [s.prefix_hits for s in stage_stats(cluster)] == [s.prefix_hits for s in stages_before]
 
 
 @pytest.fixture(scope="module")
 def small_pool(tmp_path_factory):
     """Stages with 640 positions of KV (10 blocks) each."""
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"stage": ["--kv-capacity", "640"]})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, extra={"stage": ["--kv-capacity", "640"]}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_three_times_the_pool_completes_exactly_through_preemption(small_pool):
     # 8 requests of ~130 prompt + 100 output tokens: ~1,850 positions at the end against 640 per stage
     prompts = [f"Request {i}: " + "describe the river delta and its birds in detail. " * 2 for i in range(8)]
     got = asyncio.run(_generate(small_pool.target, prompts, 100))
-    assert got == [_want(p, 100) for p in prompts]
-    stats = _coordinator(small_pool)
+    assert got == [exact_ids(p, 100) for p in prompts]
+    stats = coordinator_stats(small_pool)
     assert stats.preemptions > 0 and stats.rejections.get("NO_CAPACITY", 0) == 0
     assert stats.requests_failed == 0 and stats.kv_blocks_total == 10
-    for s in _stages(small_pool):
+    for s in stage_stats(small_pool):
         assert s.rejections.get("NO_CAPACITY", 0) == 0 and s.kv_blocks_total == 10
         assert s.prefix_evictions > 0                                  # cached blocks made room
         assert s.kv_blocks_used == 0 and s.kv_blocks_cached <= 10 and s.requests_held == 0
     # after all that eviction, a prompt seen earlier is still answered exactly (from what is left, or cold)
     again = asyncio.run(_generate(small_pool.target, prompts[:2], 20))
-    assert again == [_want(p, 20) for p in prompts[:2]]
+    assert again == [exact_ids(p, 20) for p in prompts[:2]]
 
 
 def test_a_request_that_can_never_fit_is_refused_with_resource_exhausted(small_pool):

@@ -15,6 +15,7 @@ import pytest
 from services.admission.public import failure_message, names_internals
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, TetherError
+from tests.helpers import started
 
 GRPC_CORE_DETAIL = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50072: Failed to "
                     "connect to remote host: Connection refused")
@@ -49,13 +50,8 @@ def test_what_was_said_is_passed_on_without_its_addresses_and_a_bug_says_nothing
 @pytest.fixture(scope="module")
 def fragile(tmp_path_factory):
     """A cluster whose coordinator gives up on a dead stage after 3 s (its requests fail UNAVAILABLE)."""
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"coordinator": ["--recovery-window", "3"]})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, extra={"coordinator": ["--recovery-window", "3"]}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _internal_addresses(cluster: LocalCluster) -> list[str]:

@@ -11,7 +11,8 @@ import pytest
 
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, TetherError
-from tether.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tether.v1 import stage_pb2, stage_pb2_grpc
+from tests.helpers import coordinator_stats, started
 
 IDLE_S = 1.5
 
@@ -20,13 +21,8 @@ IDLE_S = 1.5
 def hostile(tmp_path_factory):
     """stage0 holds at most 128 KV tokens; stage1 corrupts every token it samples; streams idle out fast."""
     idle = ["--stream-idle", str(IDLE_S)]
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"stage": idle, "coordinator": idle})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, extra={"stage": idle, "coordinator": idle}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _stage_stats(cluster: LocalCluster, name: str) -> stage_pb2.StageStats:
@@ -34,21 +30,16 @@ def _stage_stats(cluster: LocalCluster, name: str) -> stage_pb2.StageStats:
         return stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5)
 
 
-def _coord_stats(cluster: LocalCluster) -> coordinator_pb2.StatsReply:
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        return coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
-
-
 def test_an_idle_pipeline_keeps_its_streams_through_forwarded_keepalives(hostile):
     with Client(hostile.target, timeout=60, retry=None) as client:
         client.generate("wake up", max_tokens=2)
-    before = _coord_stats(hostile).pipeline_reconnects
+    before = coordinator_stats(hostile).pipeline_reconnects
     end = time.monotonic() + 4 * IDLE_S
     while time.monotonic() < end:          # idle for several idle timeouts, watching the last hop's stream
         assert _stage_stats(hostile, "stage1").forward_streams == 1, "stage0's stream to stage1 idled out"
         assert _stage_stats(hostile, "stage0").forward_streams == 1, "the coordinator's stream idled out"
         time.sleep(IDLE_S / 5)
-    assert _coord_stats(hostile).pipeline_reconnects == before
+    assert coordinator_stats(hostile).pipeline_reconnects == before
 
 
 def _restart_with(cluster: LocalCluster, name: str, *args: str) -> None:
@@ -84,6 +75,6 @@ def test_the_rebuild_budget_ends_in_aborted_and_a_context_beyond_the_kv_pool_in_
         assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.message
         # refused up front by the coordinator's block ledger, not by a stage after five replays
         assert "context positions of KV" in e.message and "at most 128" in e.message
-    stats = _coord_stats(hostile)
+    stats = coordinator_stats(hostile)
     assert stats.rejections["TOKEN_HASH_MISMATCH"] >= 6 and stats.rejections["NO_CAPACITY"] == 0   # try + 5 rebuilds
     assert _stage_stats(hostile, "stage0").requests_held == 0

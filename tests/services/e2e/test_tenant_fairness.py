@@ -22,9 +22,10 @@ import grpc
 import pytest
 
 from tether import settings
-from tether.cli.cluster import LocalCluster, free_port
+from tether.cli.cluster import free_port
 from tether.client import Client, TetherError
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2
+from tests.helpers import started, tenants_file
 
 FLOOD_PROMPT = ("flood " * 10240)[:60 * 1024].encode()          # 60 KiB: a worker job, refused as too many tokens
 VICTIM_PROMPT = "Summarize in under 30 words: " + "the archive holds maps and letters. " * 55   # ~2 KiB
@@ -147,15 +148,9 @@ CAP = 4
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("fair-cap") / "tenants.toml"
-    tenants.write_text("[tenants.hog]\n[tenants.newcomer]\n")
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"admission": ["--tenants", str(tenants), "--max-concurrent", str(CAP)]})
-    c.start(timeout=180)
-    try:
+    tenants = tenants_file(tmp_path_factory, "[tenants.hog]\n[tenants.newcomer]\n")
+    with started(tmp_path_factory, extra={"admission": ["--tenants", str(tenants), "--max-concurrent", str(CAP)]}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _long(stub: admission_pb2_grpc.AdmissionStub, tenant: str):

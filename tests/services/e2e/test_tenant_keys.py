@@ -15,11 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.admission.auth import key_digest
-from tether import reference
 from tether.cli.cluster import LocalCluster
 from tether.client import Client, PermissionDenied, Unauthenticated
-from tether.v1 import (admission_pb2, admission_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc, stage_pb2,
-                       stage_pb2_grpc)
+from tether.v1 import admission_pb2, admission_pb2_grpc
+from tests.helpers import coordinator_stats, exact_ids, stage_stats, started, tenants_file
 
 KEY_A = "tk_test-acme-" + "a" * 32       # tests' keys: any one-word token works; real ones come from `tether keys new`
 KEY_B = "tk_test-globex-" + "b" * 32
@@ -30,21 +29,15 @@ SHARED = ("Tenant isolation check. You are the archive's assistant: quote the ca
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    tenants.write_text(f"""
+    tenants = tenants_file(tmp_path_factory, f"""
 [tenants.acme]
 api_keys_sha256 = ["{key_digest(KEY_A)}"]
 [tenants.globex]
 api_keys_sha256 = ["{key_digest(KEY_B)}"]
 priorities = ["critical", "standard", "sheddable"]
 """)
-    c = LocalCluster(model="tiny", stages=2, threads=1, metrics=True, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"admission": ["--tenants", str(tenants)]})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, metrics=True, extra={"admission": ["--tenants", str(tenants)]}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -52,22 +45,8 @@ def no_env_key(monkeypatch):
     monkeypatch.delenv("TETHER_API_KEY", raising=False)
 
 
-def _want(prompt: str, max_tokens: int) -> list[int]:
-    return reference.generate(prompt, "tiny", max_tokens=max_tokens, ignore_eos=True).token_ids
-
-
-def _coordinator(cluster: LocalCluster) -> coordinator_pb2.StatsReply:
-    with grpc.insecure_channel(cluster.service("coordinator").address) as ch:
-        return coordinator_pb2_grpc.CoordinatorStub(ch).Stats(coordinator_pb2.StatsRequest(), timeout=5)
-
-
 def _stage_hits(cluster: LocalCluster) -> list[int]:
-    out = []
-    for svc in cluster.services:
-        if svc.name.startswith("stage"):
-            with grpc.insecure_channel(svc.address) as ch:
-                out.append(stage_pb2_grpc.StageStub(ch).Stats(stage_pb2.StageStatsRequest(), timeout=5).prefix_hits)
-    return out
+    return [s.prefix_hits for s in stage_stats(cluster)]
 
 
 def _auth_failures(cluster: LocalCluster) -> dict[str, float]:
@@ -111,7 +90,7 @@ def test_a_key_cannot_act_as_another_tenant_nor_use_a_priority_its_tenant_lacks(
     with Client(keyed.target, timeout=60, retry=None, api_key=KEY_B) as globex:   # its tenant lists critical
         result = globex.generate("hello", max_tokens=3, priority="critical", tenant="globex", ignore_eos=True)
     assert result.tags["tenant"] == "globex" and result.tags["priority"] == "critical"
-    assert result.token_ids == _want("hello", 3)
+    assert result.token_ids == exact_ids("hello", 3)
     failures = _auth_failures(keyed)
     assert failures.get("tenant", 0) >= 2 and failures.get("priority", 0) >= 2
 
@@ -122,7 +101,7 @@ def test_answers_are_exact_and_run_as_the_keys_tenant(keyed, monkeypatch):
         result = acme.generate(prompt, max_tokens=8, ignore_eos=True)
         stream = acme.stream(prompt, max_tokens=8, ignore_eos=True)
         streamed = "".join(d.text for d in stream)
-    assert result.token_ids == _want(prompt, 8) == stream.result.token_ids and streamed == result.text
+    assert result.token_ids == exact_ids(prompt, 8) == stream.result.token_ids and streamed == result.text
     assert result.tags["tenant"] == "acme" == stream.tags["tenant"]
     monkeypatch.setenv("TETHER_API_KEY", KEY_B)                    # the SDK's fallback
     with Client(keyed.target, timeout=120, retry=None) as from_env:
@@ -134,18 +113,18 @@ def test_two_tenants_identical_prompts_never_share_cache_blocks(keyed):
         with Client(keyed.target, timeout=120, retry=None, api_key=key) as client:
             return client.generate(SHARED, max_tokens=4, ignore_eos=True).token_ids
 
-    want = _want(SHARED, 4)
+    want = exact_ids(SHARED, 4)
     assert ask(KEY_A) == want                                      # cold: fills acme's cache
-    before, stages_before = _coordinator(keyed), _stage_hits(keyed)
+    before, stages_before = coordinator_stats(keyed), _stage_hits(keyed)
     assert ask(KEY_A) == want                                      # same key, same prompt: a hit
-    after = _coordinator(keyed)
+    after = coordinator_stats(keyed)
     assert after.prefix_hits == before.prefix_hits + 1
     assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 2 * 64
     assert [h - b for h, b in zip(_stage_hits(keyed), stages_before)] == [1, 1]
 
     before, stages_before = after, _stage_hits(keyed)
     assert ask(KEY_B) == want                                      # same prompt, the other tenant's key
-    after = _coordinator(keyed)
+    after = coordinator_stats(keyed)
     assert after.prefix_queries == before.prefix_queries + 1
     assert after.prefix_hits == before.prefix_hits and after.prefix_hit_tokens == before.prefix_hit_tokens
     assert _stage_hits(keyed) == stages_before

@@ -19,6 +19,7 @@ from tether.cli.cluster import LocalCluster
 from tether.model.loader import model_fingerprint, resolve_model
 from tether.security import certs, tls
 from tether.v1 import admission_pb2, admission_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.helpers import started
 
 CASES = [dict(prompt="Explain in under 30 words why the sky is blue.", max_tokens=8),
          dict(prompt="请用不超过50字向老人解释血糖仪读数", max_tokens=6, temperature=0.8, top_p=0.9, seed=7)]
@@ -33,11 +34,8 @@ def secure(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     tenants = logs / "tenants.toml"
     tenants.write_text(f'[tenants.acme]\napi_keys_sha256 = ["{key_digest(KEY)}"]\n')
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=logs, tls=True,
-                     extra={"admission": ["--tenants", str(tenants)]})
-    c.start(timeout=180)
-    yield c
-    c.stop()
+    with started(tmp_path_factory, log_dir=logs, tls=True, extra={"admission": ["--tenants", str(tenants)]}) as c:
+        yield c
 
 
 def _generate(cluster: LocalCluster, case: dict, metadata=BEARER) -> admission_pb2.GenerateResponse:

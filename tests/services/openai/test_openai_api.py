@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from services.admission.auth import key_digest
-from tests.helpers import stage_state, coordinator_running
+from tests.helpers import coordinator_running, stage_state, started, tenants_file
 from tether import reference
 from tether.cli.cluster import LocalCluster, free_port
 from tether.client.wire import encode_messages
@@ -34,8 +34,7 @@ PROMPTS = ["Say hello.", "写一首关于春天的短诗。", "What is the capit
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    tenants.write_text(f"""
+    tenants = tenants_file(tmp_path_factory, f"""
 [tenants.acme]
 api_keys_sha256 = ["{key_digest(KEY)}"]
 [tenants.limited]
@@ -43,13 +42,8 @@ api_keys_sha256 = ["{key_digest(KEY_LIMITED)}"]
 requests_per_s = 0.25
 burst_s = 4
 """)
-    c = LocalCluster(model="tiny", stages=2, threads=1, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra={"admission": ["--tenants", str(tenants)]})
-    c.start(timeout=180)
-    try:
+    with started(tmp_path_factory, extra={"admission": ["--tenants", str(tenants)]}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def client(cluster: LocalCluster, key: str = KEY, **kw) -> openai.OpenAI:
