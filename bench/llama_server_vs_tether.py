@@ -1,0 +1,286 @@
+"""tether's OpenAI HTTP face against llama.cpp's own C++ llama-server (bench/llama_server.py builds it from the
+llama.cpp vendored in the pinned llama-cpp-python sdist), on the same GGUF, the same threads in total, the
+same requests and one load client, paired and alternating; medians of output tok/s and their ratio.
+
+- tether: a local cluster (as `tether bench --spawn` starts one: LocalCluster) of --stages stages with
+  --stage-threads threads each, served on its OpenAI-compatible HTTP API.
+- llama-server: the same GGUF (smollm2's, tether/model/smollm2.py) with stages x stage threads threads for
+  prompts and decode (-t, -tb), one slot per concurrent request (-np = the concurrency), continuous batching
+  (-cb), restarted per concurrency.
+- the load: tether's closed-loop load generator (tether/loadtest/loadgen.py) over one client for both
+  sides (ChatClient below: the official `openai` client streaming /v1/chat/completions), the request's own
+  sampling on both (temperature, top_p, top_k, seed as drawn by the workload; llama.cpp's own defaults that
+  tether lacks switched off: top_k 0, min_p 0, repeat_penalty 1, top_p 1 where the request has none), and
+  output tokens counted by each server's own `usage` (stream_options.include_usage).
+- workloads: chat (tether bench's `single` prompts as one user message, EOS honoured, each request's own
+  max_tokens: answers end where each model's numerics take them, so the output token counts are printed), and
+  synthetic (--input-len/--output-len random words, `ignore_eos` on both, so every answer is exactly its
+  length).
+
+For each workload and concurrency: warm-up requests on both sides (not counted), then --repeats runs per
+side, alternating which goes first, on the same requests; the medians and tether ÷ llama-server.
+
+    .venv/bin/python bench/llama_server_vs_tether.py --concurrency 1,8,32 --requests 8,16,32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from bench import llama_server  # noqa: E402
+from tether.client import TetherError  # noqa: E402
+from tether.loadtest import loadgen, stats  # noqa: E402
+from tether.loadtest.openai_stream import AsyncOpenAIClient, StreamBase, tether_error  # noqa: E402
+from tether.loadtest.workloads import BenchRequest, SyntheticSpec, Workload  # noqa: E402
+from tether.types import GenerateResult, Receipt  # noqa: E402
+
+NO_ID = -1   # token ids are not compared here: only counted (each server's usage)
+
+# Each side's extra request fields: tether forbids fields it does not define (extra="forbid"), and llama.cpp's
+# samplers that tether does not have are switched off on llama-server (its defaults: min_p 0.05, repeat
+# penalty 1.1; top_k is sent to both).
+SIDE_EXTRA = {"tether": {}, "llama-server": {"min_p": 0.0, "repeat_penalty": 1.0}}
+
+
+def chat_body(params: dict, side: str) -> dict:
+    """The request's fields beyond model, messages and stream, for `side`: its own sampling on both.
+
+    top_p 0 is tether's "off": tether is sent none (it refuses 0), llama-server 1.0 (its default is 0.95)."""
+    body: dict = dict(max_tokens=params["max_tokens"], temperature=params["temperature"],
+                      stream_options={"include_usage": True})
+    top_p = params["top_p"] or None
+    if side == "llama-server":
+        top_p = top_p or 1.0
+    if top_p is not None:
+        body["top_p"] = top_p
+    if params["seed"]:
+        body["seed"] = params["seed"]
+    extra = {"top_k": params["top_k"], **SIDE_EXTRA[side]}
+    if params["ignore_eos"]:
+        extra["ignore_eos"] = True
+    body["extra_body"] = extra
+    return body
+
+
+class _ChatStream(StreamBase):
+    async def _run(self):
+        o = self.owner
+        text: list[str] = []
+        finish = ""
+        usage = None
+        chunks = 0
+        try:
+            stream = await o.client.chat.completions.create(
+                model=o.model, messages=[{"role": "user", "content": self.prompt}], stream=True,
+                **chat_body(self.params, o.side))
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                if choice.delta is not None and choice.delta.content:
+                    chunks += 1
+                    text.append(choice.delta.content)
+                    yield NO_ID   # one chunk: one token (or a few, for a character split over tokens)
+                if choice.finish_reason:
+                    finish = choice.finish_reason
+        except o.openai.OpenAIError as e:
+            error = tether_error(o.openai, e)
+            if error is None:
+                raise
+            cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""   # a connection error's own reason
+            raise TetherError(error.message + cause, error.code) from None
+        if not finish:
+            raise TetherError(f"the {o.side} stream ended without a finish reason", grpc.StatusCode.INTERNAL)
+        if usage is None:
+            raise TetherError(f"{o.side} sent no usage (stream_options.include_usage)", grpc.StatusCode.INTERNAL)
+        n = usage.completion_tokens
+        self.result = GenerateResult("".join(text), [NO_ID] * n, finish,
+                                     Receipt("", 0, usage.prompt_tokens, 0, n, o.side))
+
+
+class ChatClient(AsyncOpenAIClient):
+    """The one load client of both sides: `async with ChatClient(base_url, side) as c: c.stream(prompt, ...)`."""
+
+    STREAM = _ChatStream
+
+    def __init__(self, base_url: str, side: str, timeout: float = 600.0) -> None:
+        super().__init__(base_url, timeout)
+        # One connection per request on both sides (`Connection: close`): llama-server's HTTP pool closes a
+        # kept-alive connection its dynamic threads served, without saying so, and the next request on it then
+        # failed ("Server disconnected without sending a response", 1 in ~10 runs of 8 requests). A loopback
+        # connect costs both sides the same.
+        self.client = self.openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0,
+                                              default_headers={"Connection": "close"})
+        self.side = side
+
+
+async def run_level(base_url: str, side: str, requests: list[BenchRequest], concurrency: int) -> loadgen.LevelRun:
+    async with ChatClient(base_url, side) as c:
+        return await loadgen.closed_loop(c, iter(requests), loadgen.Level("closed", concurrency=concurrency),
+                                         loadgen.Budget(num_requests=len(requests)), lambda r: None)
+
+
+def summary(run: loadgen.LevelRun) -> dict:
+    s = stats.level_summary(run.records, run.wall_s, None)
+    failed = [f"{r.error_code}: {r.error[:200]}" for r in run.records if not r.ok]
+    return dict(tok_s=s["output_token_throughput"], wall_s=run.wall_s, output_tokens=s["output_tokens"],
+                prompt_tokens=sum(r.prompt_tokens for r in run.records if r.ok),
+                completed=s["completed"], failed=len(failed), errors=failed[:3],
+                ttft_p50_ms=s["latency_ms"]["ttft"]["p50"], tpot_p50_ms=s["latency_ms"]["tpot"]["p50"],
+                load=os.getloadavg()[0])
+
+
+def tether_kernels(stage_threads: int) -> str:
+    """tether's stage dtype and kernels (RowRule) as a stage with `stage_threads` threads chooses them: the same
+    probe, read from the probe cache the stages just wrote (tether/model/probe_cache.py)."""
+    code = ("import sys, torch\n"
+            "torch.set_num_threads(int(sys.argv[1]))\n"
+            "from tether import settings\n"
+            "from tether.model import native, numerics\n"
+            "from tether.model.config import ModelConfig\n"
+            "from tether.model.folder import resolve_model\n"
+            "cfg = ModelConfig.from_folder(resolve_model('smollm2'))\n"
+            "d = numerics.resolve(settings.DTYPE, cfg)\n"
+            "rule = numerics.servable_rule(cfg, numerics.DTYPES[d])\n"
+            "why = native.available()\n"
+            "print(f'{d}, {rule}; C kernels: ' + ('built (avx2+fma)' if why is None else f'not used ({why})'))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(stage_threads)], capture_output=True, text=True,
+                          timeout=600)
+    return done.stdout.strip() or f"(unknown: {done.stderr.strip()[-300:]})"
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrencies (default: %(default)s)")
+    p.add_argument("--requests", default="8,16,32",
+                   help="requests per run: one count, or one per concurrency (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side and concurrency (default: %(default)s)")
+    p.add_argument("--workloads", default="chat,synthetic", help="chat and/or synthetic (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="synthetic lengths' spread (default: exact)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--stage-threads", type=int, default=None,
+                   help="threads per stage (default: cores divided among the stages, as `tether up`)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per side and concurrency")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
+    args = p.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    counts = [int(n) for n in args.requests.split(",") if n.strip()]
+    if len(counts) == 1:
+        counts *= len(concurrencies)
+    if len(counts) != len(concurrencies):
+        p.error("--requests: one count, or one per concurrency")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not set(workloads) <= {"chat", "synthetic"}:
+        p.error("--workloads: chat and/or synthetic")
+    stage_threads = args.stage_threads or max(1, (os.cpu_count() or 1) // args.stages)
+    threads = args.stages * stage_threads
+
+    try:
+        binary = llama_server.build(args.jobs)
+    except llama_server.Unavailable as e:
+        print(f"llama_server_vs_tether: skipped: {e}", file=sys.stderr)
+        sys.exit(llama_server.SKIP)
+
+    from tether.cli.cluster import LocalCluster
+    from tether.model import smollm2
+    from tether.model.folder import load_model_tokenizer
+    gguf = smollm2.gguf_file()
+    tok = load_model_tokenizer(smollm2.ensure())
+    spec = SyntheticSpec(args.input_len, args.output_len, args.range_ratio)
+    mix = {"chat": {"single": 1.0}, "synthetic": {"synthetic": 1.0}}
+
+    flags = llama_server.relevant_flags(llama_server.cpu_flags())
+    meta = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                command=" ".join([sys.executable, *sys.argv]), cores=os.cpu_count(), platform=platform.platform(),
+                cpu_flags=flags, llama_server=str(binary), llama_cpp_python=llama_server.VERSION,
+                cmake_options=list(llama_server.CMAKE_OPTIONS), gguf=str(gguf), stages=args.stages,
+                stage_threads=stage_threads, llama_threads=threads)
+    print(f"{meta['date']}: tether {args.stages} stage(s) x {stage_threads} thread(s) vs llama-server -t {threads}; "
+          f"CPU flags: {' '.join(flags)}", flush=True)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
+        logs = Path(tmp)
+        cluster = LocalCluster(model=smollm2.NAME, stages=args.stages, threads=stage_threads, log_dir=logs / "tether")
+        print(f"starting tether: {args.stages} stages x {stage_threads} thread(s) (logs {logs / 'tether'}) ...",
+              file=sys.stderr, flush=True)
+        try:
+            cluster.start(timeout=600)
+            tether_url = cluster.base_url
+            assert tether_url, "the cluster serves no HTTP API"
+            meta["tether_kernels"] = tether_kernels(stage_threads)
+            print(f"tether kernels: {meta['tether_kernels']}", flush=True)
+            meta["system_info"] = llama_server.probe_system_info(binary, gguf, threads, logs / "llama-probe.log")
+            print(f"llama-server system_info: {meta['system_info']}", flush=True)
+            for workload in workloads:
+                wl = Workload(mix[workload], tok.encode, spec)
+                for conc, n in zip(concurrencies, counts):
+                    warm = wl.take(args.warmup, f"{args.seed}:{workload}:warmup")
+                    log = logs / f"llama-server-{workload}-np{conc}.log"
+                    with llama_server.LlamaServer(binary, gguf, threads, conc, log) as ls:
+                        urls = {"tether": tether_url, "llama-server": ls.base_url}
+                        for side, url in urls.items():
+                            asyncio.run(run_level(url, side, warm, min(conc, len(warm))))
+                        runs: dict[str, list[dict]] = {"tether": [], "llama-server": []}
+                        for r in range(args.repeats):
+                            # each repeat its own requests, the same on both sides: no repeat finds its exact
+                            # prompts in a server's prompt/prefix cache from the one before
+                            requests = wl.take(n, f"{args.seed}:{workload}:{r}")
+                            order = ["tether", "llama-server"] if r % 2 == 0 else ["llama-server", "tether"]
+                            for side in order:
+                                s = summary(asyncio.run(run_level(urls[side], side, requests, conc)))
+                                runs[side].append(s)
+                                print(f"  {workload} c={conc} #{r + 1} {side:12s} {s['tok_s']:7.1f} tok/s "
+                                      f"({s['output_tokens']} out / {s['prompt_tokens']} prompt tokens, {s['completed']}/{n} done, "
+                                      f"{s['wall_s']:.1f} s, TTFT p50 {fmt(s['ttft_p50_ms'], 0)} ms, "
+                                      f"TPOT p50 {fmt(s['tpot_p50_ms'], 0)} ms, load {s['load']:.1f})"
+                                      + (f" ERRORS {s['errors']}" if s["failed"] else ""), flush=True)
+                    med = {side: statistics.median(x["tok_s"] for x in v) for side, v in runs.items()}
+                    row = dict(workload=workload, concurrency=conc, requests=n, repeats=args.repeats,
+                               tether_tok_s=med["tether"], llama_server_tok_s=med["llama-server"],
+                               ratio=med["tether"] / med["llama-server"] if med["llama-server"] else None,
+                               runs=runs)
+                    results.append(row)
+                    print(f"{workload} c={conc}: median tether {med['tether']:.1f} tok/s, llama-server "
+                          f"{med['llama-server']:.1f} tok/s, tether/llama-server {fmt(row['ratio'], 3)}",
+                          flush=True)
+        finally:
+            cluster.stop()
+    print()
+    print("| workload | concurrency | requests | tether tok/s | llama-server tok/s | tether ÷ llama-server |")
+    print("|---|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['workload']} | {row['concurrency']} | {row['requests']} | {row['tether_tok_s']:.1f} | "
+              f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} |")
+    print(f"\nmedians of {args.repeats} paired, alternating runs; tether: {meta.get('tether_kernels')}; "
+          f"llama-server: {meta.get('system_info')}")
+    if args.out:
+        args.out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""bench/llama_server.py and bench/llama_server_vs_tether.py's pure parts: the binary's cache key from the CPU
+flags, llama-server's command line, and each side's request body. Nothing is built or started here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import llama_server
+from bench.llama_server_vs_tether import chat_body
+
+AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
+
+
+def test_cache_key_depends_on_simd_flags_only_and_not_their_order():
+    flags = AVX512.split()
+    key = llama_server.cache_key(flags)
+    assert key.startswith(f"{llama_server.VERSION}-") and len(key) == len(llama_server.VERSION) + 13
+    assert llama_server.cache_key(reversed(flags)) == key
+    assert llama_server.cache_key([*flags, "nx", "smep", "constant_tsc"]) == key      # not in the binary
+    assert llama_server.cache_key([f for f in flags if f != "avx512_vnni"]) != key          # another -march=native
+    assert llama_server.cache_key([*flags, "amx_tile"]) != key
+    assert llama_server.cache_key(flags, version="0.3.37") != key
+    assert llama_server.cache_key(flags, [*llama_server.CMAKE_OPTIONS, "-DGGML_OPENMP=OFF"]) != key
+
+
+def test_relevant_flags_keep_x86_and_arm_simd():
+    assert llama_server.relevant_flags(AVX512.split()) == [
+        "avx", "avx2", "avx512_vnni", "avx512bw", "avx512f", "avx512vl", "f16c", "fma", "sse", "sse2", "sse4_1",
+        "sse4_2", "ssse3"]
+    assert llama_server.relevant_flags("fp asimd asimddp sve i8mm sme2 cpuid".split()) == [
+        "asimd", "asimddp", "i8mm", "sme2", "sve"]
+
+
+def test_cpu_flags_and_binary_path(tmp_path: Path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {AVX512}\n\nprocessor\t: 1\nflags\t\t: sse\n")
+    flags = llama_server.cpu_flags(info)
+    assert "avx512f" in flags and "sse" in flags
+    assert llama_server.cpu_flags(tmp_path / "missing") == frozenset()
+    path = llama_server.binary_path(flags, home=tmp_path)
+    assert path == tmp_path / "llama-server" / llama_server.cache_key(flags) / "llama-server"
+
+
+def test_build_and_configure_commands_stay_offline():
+    cmd = llama_server.configure_command(Path("/src"), Path("/b"), "Ninja")
+    assert cmd[:7] == ["cmake", "-S", "/src", "-B", "/b", "-G", "Ninja"]
+    for option in ("-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                   "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"):
+        assert option in cmd
+    assert "-G" not in llama_server.configure_command(Path("/src"), Path("/b"), None)
+    assert llama_server.build_command(Path("/b"), 2) == ["cmake", "--build", "/b", "--target", "llama-server", "-j", "2"]
+
+
+def test_missing_tools_names_what_is_missing(monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(llama_server.shutil, "which", lambda name: None if name == "cmake" else f"/usr/bin/{name}")
+    assert llama_server.missing_tools() == "missing cmake to build llama-server"
+    monkeypatch.setattr(llama_server.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert llama_server.missing_tools() == ""
+
+
+def test_server_command_threads_slots_batching_and_context():
+    cmd = llama_server.server_command(Path("/bin/llama-server"), Path("/m.gguf"), threads=2, parallel=8, port=4321)
+    assert cmd[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
+    args = dict(zip(cmd[3::], cmd[4::]))
+    assert args["-t"] == "2" and args["-tb"] == "2" and args["-np"] == "8"
+    assert args["-c"] == str(8 * 1024)          # the total context, split among the 8 slots
+    assert args["--host"] == "127.0.0.1" and args["--port"] == "4321"
+    assert "-cb" in cmd and "--no-webui" in cmd
+    traced = llama_server.server_command(Path("/b"), Path("/m"), 2, 1, 1, extra=llama_server.TRACE)
+    assert traced[-2:] == ["-lv", "4"]
+
+
+def test_system_info_line():
+    log = "load ...\nmain: system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : AVX512 = 1 |\nready\n"
+    assert llama_server.system_info(log) == "n_threads = 2 (n_threads_batch = 2) / 2 | CPU : AVX512 = 1 |"
+    assert llama_server.system_info("nothing") == ""
+
+
+def test_chat_body_same_sampling_each_side_its_own_fields():
+    greedy = dict(max_tokens=64, temperature=0.0, top_k=0, top_p=0.0, seed=0, ignore_eos=True)
+    t, ls = chat_body(greedy, "tether"), chat_body(greedy, "llama-server")
+    assert "top_p" not in t and ls["top_p"] == 1.0          # tether's "off" is no top_p; llama.cpp's default is 0.95
+    assert t["extra_body"] == {"top_k": 0, "ignore_eos": True}
+    assert ls["extra_body"] == {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, "ignore_eos": True}
+    for body in (t, ls):
+        assert body["max_tokens"] == 64 and body["temperature"] == 0.0 and "seed" not in body
+        assert body["stream_options"] == {"include_usage": True}
+    sampled = dict(max_tokens=32, temperature=0.8, top_k=40, top_p=0.9, seed=7, ignore_eos=False)
+    t, ls = chat_body(sampled, "tether"), chat_body(sampled, "llama-server")
+    assert t["top_p"] == ls["top_p"] == 0.9 and t["seed"] == ls["seed"] == 7
+    assert "ignore_eos" not in t["extra_body"] and "ignore_eos" not in ls["extra_body"]
+    assert t["extra_body"]["top_k"] == ls["extra_body"]["top_k"] == 40
