@@ -21,12 +21,15 @@ from tether.cli.up import coordinator_serving
 from tether.client import AsyncClient
 from tests.helpers import started, wait_admission_routes_every_pipeline
 
-PROMPTS = ["从前有一座山，山上有", "The quick brown fox", "请用一句话介绍长城", "Once upon a time there"]
+# No length constraint among them: the tags would cap the served budget below max_tokens ("一句话": 48 tokens)
+PROMPTS = ["从前有一座山，山上有", "The quick brown fox", "请介绍长城的历史", "Once upon a time there"]
 N = 16
 
 
 def case(i: int) -> tuple[str, dict]:
-    sampling: dict = dict(max_tokens=40, ignore_eos=True)
+    # long enough that a coordinator drained once every stream has a token still holds some past its 0.3 s of
+    # --drain-seconds (at 40 tokens the victim had sometimes finished them all: nothing handed back)
+    sampling: dict = dict(max_tokens=160, ignore_eos=True)
     if i % 2:
         sampling.update(temperature=0.8, top_p=0.95, seed=1000 + i)
     if i % 4 == 3:
@@ -83,11 +86,14 @@ def assert_exact(results) -> None:
 def test_a_draining_coordinator_hands_back_what_it_holds_and_every_stream_completes_exactly(two_pipelines):
     cluster = two_pipelines
     victim = cluster.service("p1-coordinator")
-    results = asyncio.run(stream_all(cluster, 8, lambda: victim.proc.send_signal(signal.SIGTERM)))
-    assert_exact(results)
-    assert victim.proc.wait(30) == 0                   # drained, then exited cleanly
-    assert resumed_total(cluster, "handed_back") >= 1
-    cluster.restart("p1-coordinator")                  # back for the next test
+    try:
+        results = asyncio.run(stream_all(cluster, 8, lambda: victim.proc.send_signal(signal.SIGTERM)))
+        assert_exact(results)
+        assert victim.proc.wait(30) == 0                   # drained, then exited cleanly
+        assert resumed_total(cluster, "handed_back") >= 1
+    finally:
+        if victim.proc.wait(30) is not None:
+            cluster.restart("p1-coordinator")              # back for the next test, whatever this one found
     with grpc.insecure_channel(victim.address) as ch:
         assert wait_serving(ch, 60), victim.log_tail()
 
