@@ -207,6 +207,12 @@ def probe_system_info(binary: Path, gguf: Path, threads: int, log_path: Path) ->
         return server.system_info()
 
 
+def die_with_parent() -> list[str]:
+    """A prefix that makes the server get SIGTERM when the process that started it dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG through util-linux's setpriv, which then execs the server: same pid); [] without setpriv."""
+    return ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
+
+
 class LlamaServer:
     """`with LlamaServer(binary, gguf, threads, parallel, log_path) as s:` llama-server up at s.base_url."""
 
@@ -222,8 +228,8 @@ class LlamaServer:
     def __enter__(self) -> "LlamaServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([*die_with_parent(), *self.command], stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self.wait_ready()
         except BaseException:

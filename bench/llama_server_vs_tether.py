@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -187,6 +188,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
     args = p.parse_args()
+    # `kill PID` unwinds like Ctrl-C (a background job ignores SIGINT): the cluster and llama-server are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     counts = [int(n) for n in args.requests.split(",") if n.strip()]
     if len(counts) == 1:
