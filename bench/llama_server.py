@@ -34,6 +34,9 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
+from tether.model.numerics import cpu_flags
+from tether.model.presets import tether_home
+
 VERSION = "0.3.36"                       # llama-cpp-python, whose sdist vendors llama.cpp
 PACKAGE = f"llama-cpp-python=={VERSION}"
 SKIP = 77                                # exit status of a run that cannot build (no cmake, no compiler)
@@ -63,24 +66,6 @@ CMAKE_OPTIONS = (
 
 class Unavailable(RuntimeError):
     """llama-server cannot be built or run here; the message says why."""
-
-
-def tether_home() -> Path:
-    """The tether home (tether/model/presets.py): $TETHER_HOME or ~/.cache/tether."""
-    return Path(os.environ.get("TETHER_HOME") or Path.home() / ".cache" / "tether")
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first CPU's flags as Linux lists them (x86 "flags", aarch64 "Features"); empty where unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def relevant_flags(flags: Iterable[str]) -> list[str]:
