@@ -11,7 +11,7 @@ docker-compose.yml scrapes every 5 s; 1 s here is the pessimistic case), so the 
     .venv/bin/python bench/metrics_overhead.py                      # tiny, 2 stages, 5 repeats
     .venv/bin/python bench/metrics_overhead.py --repeats 7 --num-requests 96
 
-Figures: docs/PERFORMANCE.md, "Metrics overhead".
+Figures: docs/PERFORMANCE.md, "Overheads".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the median over repeats of secure / plaintext output-token throughput; every ans
     .venv/bin/python bench/security_overhead.py                                # TLS + API keys, 5 repeats
     git worktree add /tmp/before 390d395 && .venv/bin/python bench/security_overhead.py --baseline-tree /tmp/before
 
-Figures: docs/PERFORMANCE.md, "Security overhead".
+Figures: docs/PERFORMANCE.md, "Overheads".
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ themselves: BLAKE2b over 4 bytes per token), measured with --chunk.
     .venv/bin/python bench/stamp_mac.py                    # 1, 16, 64 slots, 200 frames each
     .venv/bin/python bench/stamp_mac.py --frames 400 --json bench-out/stamp_mac.json
 
-Figures: docs/PERFORMANCE.md, "Keyed stamps".
+Figures: docs/PERFORMANCE.md, "Overheads".
 """
 
 from __future__ import annotations

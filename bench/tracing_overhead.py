@@ -12,7 +12,7 @@ whole cost, spans, links, batching, serialization and the export calls, is in.
     .venv/bin/python bench/tracing_overhead.py                       # tiny, 2 stages, 5 repeats
     .venv/bin/python bench/tracing_overhead.py --repeats 10 --num-requests 32
 
-Figures: docs/PERFORMANCE.md, "Tracing overhead".
+Figures: docs/PERFORMANCE.md, "Overheads".
 """
 
 from __future__ import annotations
