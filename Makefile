@@ -78,7 +78,7 @@ bench-memory: setup  ## stage RSS after 1,000 and 10,000 short requests on tiny 
 bench-overload: setup  ## two pipelines at 2x their saturating rate: priorities, a tenant over its bucket, a pipeline killed (~6 min)
 	$(BIN)/python -m bench.overload --out bench-out/overload/report.json --log-dir bench-out/overload/logs
 
-bench-prefix: setup  ## prefix cache (issue 11): multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
+bench-prefix: setup  ## prefix cache: multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
 	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
 
 bench-llama-server: setup  ## tether's HTTP face vs llama.cpp's llama-server (continuous batching) on the default model's GGUF, 1/8/32 streams (builds it once, ~10 min; then ~6 min)

@@ -5,7 +5,7 @@ Services expose these as command-line flags; the flags' defaults come from this 
 
 import os
 
-# 2: the payload digest binds every slot's MAC and row layout, not only its context hash (issue 23).
+# 2: the payload digest binds every slot's MAC and row layout, not only its context hash.
 PROTOCOL_VERSION = 2
 
 # Ports. `tether up` fixes only what a user connects to (admission's gRPC and HTTP, /metrics when asked) and

@@ -312,7 +312,7 @@ def options_of(args: argparse.Namespace) -> BenchOptions:
         llama_cpp_log=str(args.out / "logs" / "llama-cpp-server.log"))
 
 
-NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch (issue 11)
+NO_PREFIX_CACHE = "--no-prefix-cache"   # the coordinator's switch
 STAGE_KV_FLAG = "--kv-capacity"         # services/stage_worker/main.py: the stage's KV pool in tokens
 
 

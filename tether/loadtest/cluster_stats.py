@@ -242,7 +242,7 @@ def parse_pids(text: str) -> dict[str, int]:
 # --- with and without the prefix cache -----------------------------------------------------------------------------
 
 CACHE_OFF, CACHE_ON = "prefix cache off", "prefix cache on"
-TTFT_RATIO_TARGET = 0.3    # issue 11: TTFT p50 with the cache ÷ without, on multi-turn with shared system prompts
+TTFT_RATIO_TARGET = 0.3    # TTFT p50 with the cache ÷ without, on multi-turn with shared system prompts
 
 
 def _coord(level: dict, key: str) -> float | None:

@@ -248,7 +248,7 @@ def _compare_md(cmp: dict | None) -> list[str]:
              f"{frac(r['computed_per_prompt_off'])} / {frac(r['computed_per_prompt_on'])}"] for r in cmp["rows"]]
     out = ["## Prefix cache: without vs with", "",
            "The same levels and requests on two clusters up at once, one started with `--no-prefix-cache`, one "
-           "with the cache; each level ran on one then the other. Target (issue 11): TTFT p50 with ÷ without ≤ "
+           "with the cache; each level ran on one then the other. Target: TTFT p50 with ÷ without ≤ "
            f"{cmp['ttft_ratio_target']:g} on multi-turn with shared system prompts.", "",
            *_table(["level", "done off/on", "TTFT p50 off ms", "TTFT p50 on ms", "TTFT p50 on ÷ off",
                     "E2E p50 on ÷ off", "out tok/s off / on", "hit rate off / on", "computed ÷ prompt off / on"],
