@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import mmap
 
 import torch
 
@@ -33,8 +34,8 @@ class BlockArena:
     coordinator's ledger runs); the arena holds the tensors and the owner tags. A bounded arena (a stage's pool)
     takes its whole capacity at once, never copied: its pages become resident as blocks are first handed out,
     unless `prefault` touches them all now, so that the process's RSS at start is what it will use. An unbounded
-    one (a reference model's) grows by doubling (a copy, amortised) and never shrinks. Every block is zeroed
-    when it is handed out, so no block is read before it was written.
+    one (a reference model's) grows by doubling (a copy, amortised) and never shrinks. Both start zeroed, and
+    every block is zeroed again when it is handed out.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block: int,
@@ -43,8 +44,9 @@ class BlockArena:
             num_layers, kv_heads, head_dim, dtype, block)
         self.pool = BlockPool(max_blocks if max_blocks is not None else UNBOUNDED_BLOCKS)
         blocks = max_blocks or 0
-        self.k = [self._empty(blocks) for _ in range(num_layers)]
-        self.v = [self._empty(blocks) for _ in range(num_layers)]
+        self._maps: list[mmap.mmap] = []   # the bounded arena's memory (the tensors view it)
+        self.k = [self._mapped(blocks) for _ in range(num_layers)]
+        self.v = [self._mapped(blocks) for _ in range(num_layers)]
         self.prefaulted = prefault and blocks > 0
         if self.prefaulted:
             for t in self.k + self.v:
@@ -53,9 +55,19 @@ class BlockArena:
         self._serials = itertools.count(1)
         self._heads = torch.arange(kv_heads)
 
-    def _empty(self, blocks: int) -> torch.Tensor:
-        # Uninitialised: a large tensor is fresh pages the kernel maps on first touch (allocate zeroes a block)
-        return torch.empty(blocks, self.kv_heads, self.block, self.head_dim, dtype=self.dtype)
+    def _zeros(self, blocks: int) -> torch.Tensor:
+        return torch.zeros(blocks, self.kv_heads, self.block, self.head_dim, dtype=self.dtype)
+
+    def _mapped(self, blocks: int) -> torch.Tensor:
+        """Zeros in private anonymous memory: the kernel maps a page on its first touch, so the pool costs RSS
+        only as its blocks are used (torch.zeros would write every page now)."""
+        if blocks == 0:
+            return self._zeros(0)
+        shape = (blocks, self.kv_heads, self.block, self.head_dim)
+        nbytes = blocks * self.kv_heads * self.block * self.head_dim * self.dtype.itemsize
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._maps.append(memory)
+        return torch.frombuffer(memory, dtype=self.dtype).view(shape)
 
     @property
     def block_bytes(self) -> int:
@@ -118,7 +130,7 @@ class BlockArena:
         new = max(min(new, self.pool.capacity), old + at_least)
         for layers in (self.k, self.v):
             for i, t in enumerate(layers):
-                grown = self._empty(new)
+                grown = self._zeros(new)
                 grown[:old] = t
                 layers[i] = grown
         self.owner = torch.cat([self.owner, self.owner.new_zeros(new - old)])
