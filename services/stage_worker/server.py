@@ -187,9 +187,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.worker.index = request.index
         if request.coordinator_instance != self.coordinator_instance:
             if self.coordinator_instance is not None:
-                # The state held belongs to a coordinator process that is gone: nobody will release it.
+                # The state held belongs to a coordinator process that is gone: nobody will release it. Listed on
+                # the step thread, after the step it may be running now: a step of the old instance's stream that
+                # began before this handshake registers its requests only as it ends (listed here, before it,
+                # they leaked until the lease).
                 freed = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self._release, list(self.worker.state.requests), "new coordinator")
+                    self.executor, lambda: self._release(list(self.worker.state.requests), "new coordinator"))
                 log.info("new coordinator instance %s: freed %d request state(s) of the previous one",
                          request.coordinator_instance or "(unnamed)", freed)
             self.coordinator_instance = request.coordinator_instance
