@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from tether.model.numerics import cpu_flags
 from tether.model.presets import tether_home
+from tether.loadtest.server_process import ServerProcess
 
 VERSION = "0.3.36"                       # llama-cpp-python, whose sdist vendors llama.cpp
 PACKAGE = f"llama-cpp-python=={VERSION}"
@@ -198,8 +198,12 @@ def die_with_parent() -> list[str]:
     return ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """`with LlamaServer(binary, gguf, threads, parallel, log_path) as s:` llama-server up at s.base_url."""
+
+    name = "llama-server"
+    stop_grace_s = 15.0
+    popen_options = {"start_new_session": True}
 
     def __init__(self, binary: Path, gguf: Path, threads: int, parallel: int, log_path: Path,
                  ctx_per_slot: int = 1024, timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
@@ -208,61 +212,17 @@ class LlamaServer:
         self.log_path, self.timeout_s = log_path, timeout_s
         self.root = f"http://127.0.0.1:{self.port}"
         self.base_url = self.root + "/v1"
-        self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LlamaServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([*die_with_parent(), *self.command], stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def launch_command(self) -> list[str]:
+        return [*die_with_parent(), *self.command]
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def wait_ready(self) -> None:
-        """Until /health answers 200 (503 while the model loads), or the process exits."""
-        assert self.proc is not None
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {self.proc.returncode}: {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.root}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"llama-server did not answer /health within {self.timeout_s:g} s: {self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+    def ready(self) -> bool:
+        """/health answers 200 (503 while the model loads)."""
+        with urllib.request.urlopen(f"{self.root}/health", timeout=2) as r:
+            return r.status == 200
 
     def system_info(self) -> str:
         return system_info(self.log_text())
-
-    def log_tail(self, lines: int = 5) -> str:
-        text = self.log_text()
-        return (" | ".join(text.strip().splitlines()[-lines:]) or "(no log)") + f" (log: {self.log_path})"
 
 
 def main() -> None:

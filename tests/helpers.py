@@ -52,8 +52,8 @@ def started(tmp_path_factory, timeout: float = 180, **options: Any) -> Iterator[
     if "log_dir" not in options:
         options["log_dir"] = tmp_path_factory.mktemp("logs")
     cluster = LocalCluster(**options)
-    cluster.start(timeout=timeout)
     try:
+        cluster.start(timeout=timeout)   # a start that fails stops what it had started too
         yield cluster
     finally:
         cluster.stop()

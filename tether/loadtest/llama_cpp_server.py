@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from tether.cli.cluster import free_port
+from tether.loadtest.server_process import ServerProcess
 
 INSTALL_HINT = "pip install 'llama-cpp-python[server]==0.3.36'"
 
@@ -84,9 +84,11 @@ def skip_reason(python: str, model: str) -> str:
     return import_check(python)
 
 
-class LlamaCppServer:
+class LlamaCppServer(ServerProcess):
     """`with LlamaCppServer(...) as s:` the server up at `s.base_url`; stopped (SIGTERM, then SIGKILL) on the way
     out, whether the body returned, raised or was interrupted (Ctrl-C)."""
+
+    name = "the llama.cpp server"
 
     def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, log_path: Path,
                  timeout_s: float = 120.0) -> None:
@@ -94,57 +96,13 @@ class LlamaCppServer:
         self.command = server_command(python, gguf, threads, self.port, n_ctx, os.getpid())
         self.log_path, self.timeout_s = log_path, timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc: subprocess.Popen | None = None
 
     @property
     def display_command(self) -> list[str]:
         """The command as a user would type it: what LAUNCH runs, without the launcher."""
         return [self.command[0], "-m", "llama_cpp.server", *self.command[4:]]
 
-    def __enter__(self) -> "LlamaCppServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def wait_ready(self) -> None:
-        """Until /v1/models answers (the model is loaded before uvicorn listens), or the process exits."""
-        assert self.proc is not None
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the llama.cpp server exited with status {self.proc.returncode}: "
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
-                    if json.load(r).get("data"):
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the llama.cpp server did not answer within {self.timeout_s:g} s: {self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return " | ".join(text.strip().splitlines()[-lines:]) + f" (log: {self.log_path})"
+    def ready(self) -> bool:
+        """/v1/models answers (the model is loaded before uvicorn listens)."""
+        with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
+            return bool(json.load(r).get("data"))
