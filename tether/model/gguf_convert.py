@@ -2,8 +2,9 @@
 
 The `gguf` package (llama.cpp's reference reader) parses the file and dequantizes its tensors; this module
 only renames tensors, undoes llama.cpp's Q/K row permutation, and writes config.json, model.safetensors,
-tokenizer.json (byte-level BPE from the file's vocabulary and merges) and tokenizer_config.json (special
-tokens and the chat template). transformers is not needed.
+the file's Q4_1 / Q8_0 blocks as they are (for tether/model/rowquant.py), tokenizer.json (byte-level BPE from
+the file's vocabulary and merges) and tokenizer_config.json (special tokens and the chat template).
+transformers is not needed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ if TYPE_CHECKING:   # imported where used: `gguf`, numpy and torch are only need
 
 # Bump when the output of the conversion changes, so cached folders are regenerated.
 # 2: the folder carries its record (tether/model/record.py), checked whenever a service loads it.
-CONVERTER_VERSION = 2
+# 3: the file's Q4_1 / Q8_0 blocks are kept beside the fp32 weights (tether/model/rowquant.py).
+CONVERTER_VERSION = 3
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -123,6 +125,31 @@ def hf_weights(reader: "GGUFReader", cfg: dict, dtype: torch.dtype) -> dict[str,
     return out
 
 
+def gguf_blocks(reader: "GGUFReader", cfg: dict) -> dict[str, torch.Tensor]:
+    """The file's Q4_1 and Q8_0 tensors as their raw blocks (uint8 [out, in / 32 * block bytes]), rows in the
+    converted order, named `<HF weight name>.<kind>`: what tether/model/rowquant.py reads instead of the fp32."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from tether.model import rowquant
+
+    kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        kind = kinds.get(t.tensor_type)
+        if kind is None or len(t.shape) != 2:
+            continue
+        b = torch.from_numpy(np.array(t.data, dtype=np.uint8, order="C", copy=True))
+        name = hf_tensor_name(t.name)
+        if name.endswith("q_proj.weight"):
+            b = unpermute_rows(b, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            b = unpermute_rows(b, cfg["num_key_value_heads"])
+        out[rowquant.blocks_name(name, kind)] = b.contiguous()
+    return out
+
+
 def hf_tokenizer(reader: "GGUFReader") -> tuple[HFTokenizer, list[str]]:
     """The byte-level BPE the file describes; returns it and its control tokens' spellings."""
     kind = _field(reader, "tokenizer.ggml.model")
@@ -167,6 +194,10 @@ def convert(gguf_path: str | Path, dest: str | Path, dtype: str = "float32") -> 
 
     save_file(hf_weights(reader, cfg, getattr(torch, dtype)), str(dest / "model.safetensors"),
               metadata={"format": "pt"})
+    blocks = gguf_blocks(reader, cfg)
+    if blocks:
+        from tether.model.rowquant import BLOCKS_FILE
+        save_file(blocks, str(dest / BLOCKS_FILE), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     tok.save(str(dest / "tokenizer.json"))
     tcfg = {

@@ -19,7 +19,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model import rowlayer
+from tether.model import rowlayer, rowquant
 from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.rowattn import RowAttentionPlan
@@ -55,13 +55,20 @@ class Linear(nn.Linear):
     # for it; an inference tensor keeps no version (and cannot change outside inference mode).
     _prepared: tuple[str, torch.Tensor, int, Any] | None = None
 
+    # The GGUF file's own groups this weight was rebuilt from, where the loader found them: rowdot then reads
+    # those (tether/model/rowquant.py), after checking that they rebuild the weight bit for bit.
+    blocks: rowquant.Blocks | None = None
+
     def prepared_weight(self) -> Any:
         """The weight as the kernel reads it (a tensor, oneDNN's packed tensor, rowdot's PackedWeight)."""
         w = self.weight
         version = -1 if w.is_inference() else w._version
         p = self._prepared
         if p is None or p[0] != self.kernel or p[1] is not w or p[2] != version:
-            p = self._prepared = (self.kernel, w, version, KERNELS[self.kernel].prepare(w.detach()))
+            made = None
+            if self.kernel == "rowdot" and self.blocks is not None:
+                made = rowquant.prepare(w.detach(), self.blocks)
+            p = self._prepared = (self.kernel, w, version, made or KERNELS[self.kernel].prepare(w.detach()))
         return p[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Our C kernels (tether/model/kernels/*.c: rowdot, rowattn, rowlayer), compiled on the machine that serves, once per
+"""Our C kernels (tether/model/kernels/*.c: rowdot, rowquant, rowattn, rowlayer), compiled on the machine that serves, once per
 source and flags, into the tether home, with the C compiler the machine has (`$CC`, `cc` or `gcc`), and loaded
-once per process. They need AVX2 and FMA; where they cannot be built (another CPU, no compiler, a failed build)
+once per process. They need AVX2, FMA and F16C; where they cannot be built (another CPU, no compiler, a failed build)
 `available()` says why, and the numerics probe, which decides what serves, chooses other kernels.
 TETHER_NATIVE_KERNELS=0 turns them off (a side-by-side measurement, or a machine where they misbehave).
 
@@ -25,14 +25,14 @@ from tether import settings
 from tether.model.presets import tether_home
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
+SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowquant.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
 HEADERS = (KERNELS / "vecmath.h", KERNELS / "rows.h")   # included by the sources: part of the build's key
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
-NEEDS = frozenset({"avx2", "fma"})   # /proc/cpuinfo flags the built code runs on
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
+NEEDS = frozenset({"avx2", "fma", "f16c"})   # /proc/cpuinfo flags the built code runs on
 
 
 class Unavailable(RuntimeError):
-    """The kernels cannot run here (no AVX2/FMA, no compiler, a failed build): the probe skips them."""
+    """The kernels cannot run here (no AVX2/FMA/F16C, no compiler, a failed build): the probe skips them."""
 
 
 def _cpu_has() -> bool:
@@ -74,6 +74,14 @@ def library() -> ctypes.CDLL:
     lib.rowdot_pack.restype = None
     lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32]
     lib.rowdot.restype = None
+    lib.rowquant_bytes.argtypes = [i64, i64, i64]
+    lib.rowquant_bytes.restype = i64
+    lib.rowquant_pack.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.rowquant_pack.restype = None
+    lib.rowquant_dequant.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.rowquant_dequant.restype = None
+    lib.rowquant.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
+    lib.rowquant.restype = None
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
     lib.rowattn.restype = None
     lib.rowlayer_work.argtypes = [ptr, i64]

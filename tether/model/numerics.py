@@ -1,5 +1,7 @@
 """Which numerics this machine serves a model in: `--dtype auto` resolved, once per process.
 
+float32 where our own C kernels build and pass the probe as whole layers in one call (rowlayer: exact fp32, and
+where the model's folder keeps its GGUF groups the linears read those, tether/model/rowquant.py); else
 bfloat16 where the CPU computes it natively and a start-up probe on the model's own shapes finds every op
 class row-count- and thread-invariant without padding, from some small floor of rows on; float32 otherwise,
 on our own C kernels where they build and the probe passes them (rowdot linears, rowattn attention and rowlayer's
@@ -89,9 +91,14 @@ def name_of(dtype: torch.dtype) -> str:
     return next(name for name, t in DTYPES.items() if t == dtype)
 
 
-def choose_dtype(flags: Iterable[str], bf16_invariant: Callable[[], bool]) -> str:
-    """The `auto` rule: bfloat16 when the CPU has native bf16 and the probe (called only then) finds the
-    unpadded bf16 kernels invariant; float32 (padded) otherwise."""
+def choose_dtype(flags: Iterable[str], bf16_invariant: Callable[[], bool],
+                 fp32_layers: Callable[[], bool] = lambda: False) -> str:
+    """The `auto` rule: float32 when our own kernels run whole layers here (`fp32_layers`, asked first: exact
+    fp32, and on the AMD EPYC with avx512_bf16 faster than bf16 at 1 and 8 rows, docs/PERFORMANCE.md); else
+    bfloat16 when the CPU has native bf16 and the probe (called only then) finds the unpadded bf16 kernels
+    invariant; float32 (padded) otherwise."""
+    if fp32_layers():
+        return "float32"
     if BF16_FLAGS.isdisjoint(flags):
         return "float32"
     return "bfloat16" if bf16_invariant() else "float32"
@@ -588,4 +595,10 @@ def resolve(requested: str, cfg: ModelConfig) -> str:
         if requested not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(CHOICES)}; got {requested!r}")
         return requested
-    return choose_dtype(cpu_flags(), lambda: unpadded_invariant(cfg, torch.bfloat16))
+    return choose_dtype(cpu_flags(), lambda: unpadded_invariant(cfg, torch.bfloat16), lambda: fp32_layers(cfg))
+
+
+def fp32_layers(cfg: ModelConfig) -> bool:
+    """Whether float32 runs this model's layers in one call of our own kernels here (rowlayer)."""
+    rule = servable_rule(cfg, torch.float32)
+    return rule is not None and rule.layers == "rowlayer"

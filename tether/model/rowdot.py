@@ -17,16 +17,20 @@ import torch
 from tether.mathutil import ceil_div
 from tether.model import native
 
-BLOCK = 16   # output columns per packed block (rowdot.c's BLOCK)
+BLOCK = 16   # output columns per packed block (kernels/rows.h's BLOCK)
+F32 = 0      # PackedWeight.format of rowdot's own fp32 blocks (kernels/rows.h's WEIGHT_F32)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [out, in] fp32 weight as rowdot reads it: [ceil(out / 16), in, 16], columns past `out` zero."""
+    """A [out, in] weight as the kernels read it: rowdot's fp32 blocks [ceil(out / 16), in, 16] (columns past
+    `out` zero), or, with another `format`, rowquant's blocks of a GGUF file's groups (tether/model/rowquant.py),
+    which rebuild the same fp32 values."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
+    format: int = F32
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
@@ -53,9 +57,12 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         rows = rows.contiguous()
     m, n = rows.shape[0], weight.out_features
     y = torch.empty(m, n, dtype=torch.float32)
-    if m:
+    if m and weight.format == F32:
         lib.rowdot(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), k, y.data_ptr(), n, n, m,
                    torch.get_num_threads(), int(silu))
+    elif m:
+        lib.rowquant(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), weight.format, k, y.data_ptr(), n, n,
+                     m, torch.get_num_threads(), int(silu))
     if bias is not None:
         y += bias
     return y.view(*lead, n)

@@ -32,10 +32,18 @@ class Shape(ctypes.Structure):
                 ("block", _i64), ("eps", _f32), ("scale", _f32)]
 
 
-class Weights(ctypes.Structure):
-    """kernels/rowlayer.c's layer_weights: addresses of one layer's norm weights and packed projections."""
+class Packed(ctypes.Structure):
+    """kernels/rows.h's packed_weight: a projection's blocks and their format."""
 
-    _fields_ = [(name, _ptr) for name in ("ln1", "ln2", "wq", "wk", "wv", "wo", "wg", "wu", "wd", "bq", "bk", "bv")]
+    _fields_ = [("data", _ptr), ("format", _i64)]
+
+
+class Weights(ctypes.Structure):
+    """kernels/rowlayer.c's layer_weights: addresses of one layer's norm weights, its packed projections and
+    biases."""
+
+    _fields_ = [("ln1", _ptr), ("ln2", _ptr), *((name, Packed) for name in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")),
+                *((name, _ptr) for name in ("bq", "bk", "bv"))]
 
 
 def supports(hidden: int, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -45,7 +53,8 @@ def supports(hidden: int, heads: int, kv_heads: int, head_dim: int) -> bool:
 
 @dataclass
 class Layer:
-    """One layer's weights as the kernel reads them: fp32 norm weights and rowdot-packed projections."""
+    """One layer's weights as the kernel reads them: fp32 norm weights and packed projections (rowdot's fp32
+    blocks or rowquant's)."""
 
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -55,7 +64,8 @@ class Layer:
     def address(self) -> Weights:
         if any(b is not None and not (b.is_contiguous() and b.dtype == torch.float32) for b in self.biases):
             raise ValueError("rowlayer: biases must be contiguous float32")
-        return Weights(self.ln1.data_ptr(), self.ln2.data_ptr(), *(p.data.data_ptr() for p in self.projections),
+        return Weights(self.ln1.data_ptr(), self.ln2.data_ptr(),
+                       *(Packed(p.data.data_ptr(), p.format) for p in self.projections),
                        *(None if b is None else b.data_ptr() for b in self.biases))
 
 

@@ -38,6 +38,17 @@ def test_choose_dtype(flags, probe_ok, want, probed):
     assert bool(calls) == probed
 
 
+@pytest.mark.parametrize("flags", [{"avx512f", "avx512_bf16"}, {"avx2", "fma"}, set()])
+def test_choose_dtype_prefers_fp32_on_our_whole_layer_kernels(flags):
+    """Where our kernels run whole layers, fp32 is chosen before bf16 is probed at all; where they do not, the
+    bf16 rule above decides."""
+    probe, calls = _probe(True)
+    assert numerics.choose_dtype(frozenset(flags), probe, lambda: True) == "float32"
+    assert not calls
+    want = "float32" if numerics.BF16_FLAGS.isdisjoint(flags) else "bfloat16"
+    assert numerics.choose_dtype(frozenset(flags), probe, lambda: False) == want
+
+
 def test_cpu_flags_reads_x86_and_arm_cpuinfo(tmp_path):
     x86 = tmp_path / "x86"
     x86.write_text("processor\t: 0\nmodel name\t: EPYC\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n")
@@ -98,9 +109,9 @@ def test_auto_is_probed_once_per_process(monkeypatch):
     monkeypatch.setenv(settings.PROBE_CACHE_ENV, "0")   # this process's own probing (the disk: test_probe_cache)
     numerics._found.cache_clear()
     try:
-        assert numerics.resolve("auto", cfg) == "bfloat16"
+        first = numerics.resolve("auto", cfg)   # fp32 where our kernels run whole layers, else bf16
         probed = len(calls)
-        assert probed >= 1 and [numerics.resolve("auto", cfg) for _ in range(2)] == ["bfloat16"] * 2
+        assert probed >= 1 and [numerics.resolve("auto", cfg) for _ in range(2)] == [first] * 2
         assert len(calls) == probed
     finally:
         numerics._found.cache_clear()   # later tests probe for real

@@ -116,6 +116,34 @@ def test_logits_match_transformers_on_a_split(folder, hf_model, stages):
     print(f"{stages} stage(s): max |ours - transformers| = {worst:.2e}")
 
 
+def test_fp32_linears_read_the_files_own_groups_with_the_same_bits(folder):
+    """Where our kernels serve fp32, every linear (the 210 projections and the tied head) reads the GGUF file's
+    Q4_1 / Q8_0 groups the conversion kept, each checked at load to rebuild the converted weight exactly: the
+    logits of every prompt equal those of the same slices on the fp32 weights, bit for bit."""
+    from tether.model import native, rowdot
+    from tether.model.llama import Linear
+    if native.available() is not None:
+        pytest.skip(f"our kernels do not run here: {native.available()}")
+    cfg = ModelConfig.from_folder(folder)
+    tok = load_model_tokenizer(folder)
+    quant = [load_slice(folder, a, b) for a, b in even_split(cfg.num_hidden_layers, 2)]
+    plain = [load_slice(folder, a, b) for a, b in even_split(cfg.num_hidden_layers, 2)]
+    if quant[0].rows.linear != "rowdot":
+        pytest.skip(f"fp32 runs on {quant[0].rows.linear} here")
+    linears = [m for s in plain for m in s.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.blocks = None
+    formats = [m.prepared_weight().format for s in quant for m in s.modules() if isinstance(m, Linear)]
+    assert len(formats) == 7 * cfg.num_hidden_layers + 1 and rowdot.F32 not in formats
+    for prompt in PROMPTS:
+        ids = torch.tensor(tok.encode(prompt))
+        got, want = ids, ids
+        for q, p in zip(quant, plain):
+            got, want = _run(q, got), _run(p, want)
+        assert torch.equal(quant[-1].logits(got), plain[-1].logits(want))
+        assert torch.equal(quant[-1].logits(got[-1:]), plain[-1].logits(want[-1:]))
+
+
 def test_bfloat16_logits_stay_near_transformers_fp32(folder, hf_model):
     if numerics.servable_rule(ModelConfig.from_folder(folder), torch.bfloat16) is None:
         pytest.skip("bf16 has no batch-invariant kernels on this CPU: tether refuses to serve it here")

@@ -10,7 +10,7 @@
  * Layout: the weight [N][K] is packed once (rowdot_pack) as [ceil(N/16)][K][16]: a block of 16 output columns,
  * k-major, so one k step of a block is two aligned 8-float vectors. Columns past N are zero and never stored.
  *
- * Built with -mavx2 -mfma and -ffp-contract=off (no other multiply-add is fused, nothing reassociated).
+ * Built with -mavx2 -mfma -mf16c and -ffp-contract=off (no other multiply-add is fused, nothing reassociated).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -19,8 +19,6 @@
 
 #include "rows.h"
 #include "vecmath.h"
-
-#define BLOCK 16
 
 void rowdot_pack(const float *w, int64_t n, int64_t k, float *out) {
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -33,29 +31,6 @@ void rowdot_pack(const float *w, int64_t n, int64_t k, float *out) {
     }
 }
 
-/* silu(x) = x / (1 + exp(-x)), element by element: fused here so that no ATen loop (whose scalar tails
- * follow the tensor's size and the threads' chunks) touches the gate's outputs. */
-static inline __m256 silu8(__m256 x) {
-    __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi, int act) {
-    if (act) {
-        lo = silu8(lo);
-        hi = silu8(hi);
-    }
-    if (col + BLOCK <= n) {
-        _mm256_storeu_ps(y + col, lo);
-        _mm256_storeu_ps(y + col + 8, hi);
-    } else {   /* the last, partial block of columns */
-        float tmp[BLOCK];
-        _mm256_storeu_ps(tmp, lo);
-        _mm256_storeu_ps(tmp + 8, hi);
-        memcpy(y + col, tmp, (size_t)(n - col) * sizeof(float));
-    }
-}
-
 /* Up to 6 rows against one block of 16 columns: 12 accumulators, in named registers (GCC keeps an array of
  * them in memory, and 12 stores a step made the tile store-bound); with Zen 2's 5-cycle FMA latency, 10 chains
  * keep both FMA pipes busy. R is a constant at every call, so the unused rows compile away. */
@@ -65,7 +40,7 @@ static inline void store(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi,
         a##j = _mm256_fmadd_ps(xv, w0, a##j);                                                      \
         b##j = _mm256_fmadd_ps(xv, w1, b##j);                                                      \
     }
-#define OUT(j) if (R > j) store(y + j * ldy, col, n, a##j, b##j, act);
+#define OUT(j) if (R > j) store_cols(y + j * ldy, col, n, a##j, b##j, act);
 
 static inline __attribute__((always_inline)) void
 rows_tile(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
@@ -95,10 +70,10 @@ static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y
         a3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o), a3);
         b3 = _mm256_fmadd_ps(xv, _mm256_load_ps(p3 + o + 8), b3);
     }
-    store(y, col, n, a0, b0, act);
-    store(y, col + BLOCK, n, a1, b1, act);
-    store(y, col + 2 * BLOCK, n, a2, b2, act);
-    store(y, col + 3 * BLOCK, n, a3, b3, act);
+    store_cols(y, col, n, a0, b0, act);
+    store_cols(y, col + BLOCK, n, a1, b1, act);
+    store_cols(y, col + 2 * BLOCK, n, a2, b2, act);
+    store_cols(y, col + 3 * BLOCK, n, a3, b3, act);
 }
 
 /* Two rows against 2 blocks: 8 chains where one block would give 4. */
@@ -120,10 +95,10 @@ static void rows2_by_2_blocks(const float *x, int64_t ldx, const float *wp, int6
         a3 = _mm256_fmadd_ps(x1, u1, a3);
         b3 = _mm256_fmadd_ps(x1, v1, b3);
     }
-    store(y, col, n, a0, b0, act);
-    store(y, col + BLOCK, n, a1, b1, act);
-    store(y + ldy, col, n, a2, b2, act);
-    store(y + ldy, col + BLOCK, n, a3, b3, act);
+    store_cols(y, col, n, a0, b0, act);
+    store_cols(y, col + BLOCK, n, a1, b1, act);
+    store_cols(y + ldy, col, n, a2, b2, act);
+    store_cols(y + ldy, col + BLOCK, n, a3, b3, act);
 }
 
 static void tile(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
@@ -153,6 +128,12 @@ static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64
         for (int64_t r = 0; r < m; r += 6)
             tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp + b * k * BLOCK, k, y + r * ldy, ldy,
                  b * BLOCK, n, act);
+}
+
+void rowdot_one_block(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
+                      int64_t n, int64_t m, int act) {
+    for (int64_t r = 0; r < m; r += 6)
+        tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp, k, y + r * ldy, ldy, col, n, act);
 }
 
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,

@@ -17,7 +17,7 @@
  *             two products and a sum, as torch's q * cos + rotate_half(q) * sin rounds them
  *   residual  x + y;  MLP  silu(gate) * up
  *
- * Built with -mavx2 -mfma -ffp-contract=off, like rowdot.c.
+ * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,8 +28,6 @@
 #include "rows.h"
 #include "vecmath.h"
 
-#define BLOCK 16   /* rowdot's column block */
-
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, block;
     float eps, scale;
@@ -37,7 +35,7 @@ typedef struct {
 
 typedef struct {
     const float *ln1, *ln2;                              /* the two RMSNorm weights [hidden] */
-    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd;       /* rowdot-packed projections */
+    packed_weight wq, wk, wv, wo, wg, wu, wd;            /* projections: rowdot's or rowquant's blocks */
     const float *bq, *bk, *bv;                           /* q/k/v biases (Qwen2), or NULL */
 } layer_weights;
 
@@ -78,12 +76,12 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
 
 /* y[:, own columns] = x @ w.T (silu where act) + bias (where not NULL: added after, as torch adds it);
  * returns the columns [c0, c1) this thread wrote */
-static void linear(const float *x, int64_t k, const float *w, const float *bias, float *y, int64_t n, int64_t m,
+static void linear(const float *x, int64_t k, const packed_weight *w, const float *bias, float *y, int64_t n, int64_t m,
                    int act, int64_t t, int64_t team, int64_t *c0, int64_t *c1) {
     int64_t b0, b1;
     rows_share((n + BLOCK - 1) / BLOCK, t, team, &b0, &b1);
     if (b0 < b1)
-        rowdot_blocks(x, k, w, k, y, n, n, m, b0, b1, act);
+        weight_blocks(x, k, w, k, y, n, n, m, b0, b1, act);
     *c0 = b0 * BLOCK;
     *c1 = b1 * BLOCK < n ? b1 * BLOCK : n;
     if (bias != NULL)
@@ -104,9 +102,9 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     for (int64_t r = t; r < m; r += team)
         rms_row(x + r * H, w->ln1, H, s->eps, h + r * H);
     #pragma omp barrier
-    linear(h, H, w->wq, w->bq, q, qd, m, 0, t, team, &c0, &c1);
-    linear(h, H, w->wk, w->bk, k, kd, m, 0, t, team, &c0, &c1);
-    linear(h, H, w->wv, w->bv, v, kd, m, 0, t, team, &c0, &c1);
+    linear(h, H, &w->wq, w->bq, q, qd, m, 0, t, team, &c0, &c1);
+    linear(h, H, &w->wk, w->bk, k, kd, m, 0, t, team, &c0, &c1);
+    linear(h, H, &w->wv, w->bv, v, kd, m, 0, t, team, &c0, &c1);
     #pragma omp barrier
     for (int64_t r = t; r < m; r += team) {
         for (int64_t j = 0; j < heads; j++)
@@ -124,7 +122,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
                     s->scale, scores, a + i * d);
     }
     #pragma omp barrier
-    linear(a, qd, w->wo, NULL, o, H, m, 0, t, team, &c0, &c1);
+    linear(a, qd, &w->wo, NULL, o, H, m, 0, t, team, &c0, &c1);
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = c0; c < c1; c++)
             x[r * H + c] = x[r * H + c] + o[r * H + c];
@@ -132,13 +130,13 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     for (int64_t r = t; r < m; r += team)
         rms_row(x + r * H, w->ln2, H, s->eps, h + r * H);
     #pragma omp barrier
-    linear(h, H, w->wg, NULL, g, I, m, 1, t, team, &c0, &c1);
-    linear(h, H, w->wu, NULL, u, I, m, 0, t, team, &c0, &c1);
+    linear(h, H, &w->wg, NULL, g, I, m, 1, t, team, &c0, &c1);
+    linear(h, H, &w->wu, NULL, u, I, m, 0, t, team, &c0, &c1);
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = c0; c < c1; c++)
             g[r * I + c] = g[r * I + c] * u[r * I + c];
     #pragma omp barrier
-    linear(g, I, w->wd, NULL, o, H, m, 0, t, team, &c0, &c1);
+    linear(g, I, &w->wd, NULL, o, H, m, 0, t, team, &c0, &c1);
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = c0; c < c1; c++)
             x[r * H + c] = x[r * H + c] + o[r * H + c];

@@ -5,10 +5,29 @@
 #define TETHER_ROWS_H
 #include <stdint.h>
 
+#define BLOCK 16   /* output columns per packed weight block (rowdot.c's layout, and rowquant.c's) */
+
+/* A projection's weight as the kernels read it: rowdot's fp32 blocks, or rowquant.c's blocks of a GGUF file's
+ * Q4_1 / Q8_0 groups, whose fp32 values the kernel rebuilds exactly as the conversion did (tether/model/rowquant.py). */
+enum { WEIGHT_F32 = 0, WEIGHT_Q4_1 = 1, WEIGHT_Q8_0 = 2 };
+typedef struct {
+    const void *data;
+    int64_t format;
+} packed_weight;
+
 /* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight; b0 a
  * multiple of 4 (the one-row tile's width). */
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
+
+/* rowdot.c: rows [0, m) against one column block (its K x 16 fp32 weights at wp) whose first column is `col` */
+void rowdot_one_block(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
+                      int64_t n, int64_t m, int act);
+
+/* rowquant.c: rowdot_blocks for a weight in any format, every output the same chain as rowdot's on the fp32
+ * weight the blocks dequantize to */
+void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t k, float *y, int64_t ldy,
+                   int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
 /* Thread t of `team`'s share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile), so that
  * rowdot's own threads and rowlayer's split a weight alike. */
