@@ -159,8 +159,7 @@ def tether_kernels(stage_threads: int) -> str:
             "cfg = ModelConfig.from_folder(resolve_model('smollm2'))\n"
             "d = numerics.resolve(settings.DTYPE, cfg)\n"
             "rule = numerics.servable_rule(cfg, numerics.DTYPES[d])\n"
-            "why = native.available()\n"
-            "print(f'{d}, {rule}; C kernels: ' + ('built (avx2+fma)' if why is None else f'not used ({why})'))\n")
+            "print(f'{d}, {rule}; C kernels: {native.describe()}')\n")
     done = subprocess.run([sys.executable, "-c", code, str(stage_threads)], capture_output=True, text=True,
                           timeout=600)
     return done.stdout.strip() or f"(unknown: {done.stderr.strip()[-300:]})"

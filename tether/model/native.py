@@ -82,6 +82,8 @@ def library() -> ctypes.CDLL:
     lib.rowquant_dequant.restype = None
     lib.rowquant.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
     lib.rowquant.restype = None
+    lib.rowquant_isa.argtypes = [i32]
+    lib.rowquant_isa.restype = i32
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
     lib.rowattn.restype = None
     lib.rowlayer_work.argtypes = [ptr, i64]
@@ -91,6 +93,15 @@ def library() -> ctypes.CDLL:
     lib.rowlayers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32]
     lib.rowlayers.restype = None
     return lib
+
+
+def describe() -> str:
+    """What the kernels run on here, for reports: built (and which instructions) or why not."""
+    why = available()
+    if why is not None:
+        return f"not used ({why})"
+    wide = library().rowquant_isa(-1)
+    return "built (AVX2, FMA, F16C" + ("; one-row quantized linears in AVX-512)" if wide else ")")
 
 
 def available() -> str | None:

@@ -2,7 +2,9 @@
  * file's Q4_1 or Q8_0 groups, exactly as the conversion rebuilt them (gguf-py's dequantize, in float32:
  * Q4_1 (d * q) + m, Q8_0 q * d, each product and sum rounded once), and every output is rowdot's chain over
  * k = 0, 1, ..., K-1 on those values. So a row's bits equal rowdot's on the converted fp32 weight (load-time
- * check: tether/model/rowquant.py) while a decode step reads ~5 bits a weight instead of 32.
+ * check: tether/model/rowquant.py) while a decode step reads ~5 bits a weight instead of 32. Q4_1's (d * q) + m
+ * is one fused multiply-add here with the same result: d is an fp16 (11 significant bits) and q < 16 (4 bits),
+ * so d * q is exact in float32 and the sum's one rounding is the only one either way.
  *
  * Layout: a column block of 16 output columns (rowdot's), then its groups of 32 inputs, k-major inside a group:
  *   Q4_1 group, 320 bytes: d[16] fp16, m[16] fp16, then 32 k-rows of 8 bytes (byte j: column 2j in its low
@@ -69,8 +71,8 @@ weights_at(const int64_t F, const uint8_t *rec, int i, __m256 d0, __m256 d1, __m
         __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
         __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
         __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-        *lo = _mm256_add_ps(_mm256_mul_ps(d0, q0), m0);
-        *hi = _mm256_add_ps(_mm256_mul_ps(d1, q1), m1);
+        *lo = _mm256_fmadd_ps(d0, q0, m0);   /* = (d * q) + m: d * q is exact (below) */
+        *hi = _mm256_fmadd_ps(d1, q1, m1);
     } else {
         __m128i v = _mm_loadu_si128((const __m128i *)(rec + 32 + 16 * i));
         *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
@@ -135,6 +137,85 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
         store_cols(y, col + BLOCK, n, a1, b1, act);
 }
 
+/* The same one-row kernel in AVX-512 (where the CPU has F, BW, DQ and VL; `rowquant_isa`): a column block's 16
+ * columns in one register, up to 4 blocks side by side, two k-rows' nibbles unpacked at once. Every weight is
+ * rebuilt by the same operations and every chain runs over k in the same order, so the bits are the AVX2
+ * kernel's (tests/tether/model/test_rowquant.py runs both). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+static inline AVX512 __attribute__((always_inline)) void
+store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
+    store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
+}
+
+#define W4(r) _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r)), m[j])
+#define W8(i) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128( \
+                  (const __m128i *)(r[j] + 32 + 16 * (i))))), d[j])
+
+static inline AVX512 __attribute__((always_inline)) void
+row_blocks512(const int64_t F, const int nb, const float *x, const uint8_t *blk, int64_t stride, int64_t k,
+              float *y, int64_t col, int64_t n, int act) {
+    int64_t rec = record_bytes(F);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r[4];
+        __m512 d[4], m[4];
+        for (int j = 0; j < nb; j++) {
+            r[j] = blk + j * stride + g * rec;
+            d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r[j]));
+            m[j] = F == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + 32)))
+                                    : _mm512_setzero_ps();
+        }
+        for (int i = 0; i < GROUP; i += 2) {
+            __m512 x0 = _mm512_set1_ps(x[g * GROUP + i]), x1 = _mm512_set1_ps(x[g * GROUP + i + 1]);
+            for (int j = 0; j < nb; j++) {
+                if (F == WEIGHT_Q4_1) {
+                    __m128i v = _mm_loadu_si128((const __m128i *)(r[j] + 64 + 8 * i));   /* k-rows i, i + 1 */
+                    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+                    acc[j] = _mm512_fmadd_ps(x0, W4(_mm_unpacklo_epi8(lo, hi)), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(x1, W4(_mm_unpackhi_epi8(lo, hi)), acc[j]);
+                } else {
+                    acc[j] = _mm512_fmadd_ps(x0, W8(i), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(x1, W8(i + 1), acc[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++)
+        store16(y, col + j * BLOCK, n, acc[j], act);
+}
+
+AVX512 static void row512(const int64_t format, const float *x, const uint8_t *data, int64_t stride, int64_t k,
+                          float *y, int64_t n, int64_t b0, int64_t b1, int act) {
+    int64_t b = b0;
+    if (format == WEIGHT_Q4_1) {
+        for (; b + 4 <= b1; b += 4)
+            row_blocks512(WEIGHT_Q4_1, 4, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+        for (; b < b1; b++)
+            row_blocks512(WEIGHT_Q4_1, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+    } else {
+        for (; b + 4 <= b1; b += 4)
+            row_blocks512(WEIGHT_Q8_0, 4, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+        for (; b < b1; b++)
+            row_blocks512(WEIGHT_Q8_0, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+    }
+}
+
+/* 1: the one-row kernel runs in AVX-512, 0: in AVX2. Probed once from the CPU (cpuid); `rowquant_isa(want)`
+ * sets it (a test compares the two; want 1 where the CPU lacks AVX-512 keeps 0) and returns it, -1 reads it. */
+static int isa512 = -1;
+
+int rowquant_isa(int want) {
+    if (isa512 < 0 || want >= 0) {
+        __builtin_cpu_init();
+        int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+        isa512 = want == 0 ? 0 : has;
+    }
+    return isa512;
+}
+
 /* this thread's buffer for one dequantized column block (grown, never shrunk: at most K x 16 floats) */
 static float *block_buffer(int64_t k) {
     static __thread float *buf = NULL;
@@ -151,6 +232,10 @@ static inline __attribute__((always_inline)) void
 quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
              int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     int64_t stride = (k / GROUP) * record_bytes(F);
+    if (m == 1 && (isa512 < 0 ? rowquant_isa(-1) : isa512)) {
+        row512(F, x, data, stride, k, y, n, b0, b1, act);
+        return;
+    }
     if (m == 1) {
         int64_t b = b0;
         for (; b + 2 <= b1; b += 2)
