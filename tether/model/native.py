@@ -25,7 +25,7 @@ from tether import settings
 from tether.model.presets import tether_home
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowquant.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
+SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowdot512.c", KERNELS / "rowquant.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
 HEADERS = (KERNELS / "vecmath.h", KERNELS / "rows.h")   # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma", "f16c"})   # /proc/cpuinfo flags the built code runs on
@@ -82,8 +82,8 @@ def library() -> ctypes.CDLL:
     lib.rowquant_dequant.restype = None
     lib.rowquant.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
     lib.rowquant.restype = None
-    lib.rowquant_isa.argtypes = [i32]
-    lib.rowquant_isa.restype = i32
+    lib.kernels_isa.argtypes = [i32]
+    lib.kernels_isa.restype = i32
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
     lib.rowattn.restype = None
     lib.rowlayer_work.argtypes = [ptr, i64]
@@ -100,8 +100,8 @@ def describe() -> str:
     why = available()
     if why is not None:
         return f"not used ({why})"
-    wide = library().rowquant_isa(-1)
-    return "built (AVX2, FMA, F16C" + ("; one-row quantized linears in AVX-512)" if wide else ")")
+    wide = library().kernels_isa(-1)
+    return "built (AVX2, FMA, F16C" + ("; linears' tiles in AVX-512)" if wide else ")")
 
 
 def available() -> str | None:

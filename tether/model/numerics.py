@@ -518,8 +518,8 @@ _LOCK = threading.Lock()
 # The code an answer kept on disk depends on: the probe and the serving ops it checks. Any edit to these files
 # makes a new key, so an answer found by other code is never read (no version number to forget to bump).
 _PROBED_CODE = ("numerics.py", "llama.py", "tiles.py", "invariant.py", "native.py", "rowdot.py", "rowattn.py",
-                "rowlayer.py", "kernels/rowdot.c", "kernels/rowattn.c", "kernels/rowlayer.c", "kernels/vecmath.h",
-                "kernels/rows.h")
+                "rowlayer.py", "rowquant.py", "kernels/rowdot.c", "kernels/rowdot512.c", "kernels/rowquant.c",
+                "kernels/rowattn.c", "kernels/rowlayer.c", "kernels/vecmath.h", "kernels/rows.h")
 
 
 @functools.lru_cache(maxsize=1)

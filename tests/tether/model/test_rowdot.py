@@ -128,3 +128,24 @@ def test_turned_off_they_are_unavailable_and_the_probe_chooses_without_them(monk
         native.library.cache_clear()
         numerics._found.cache_clear()
     assert numerics.servable_rule(cfg, torch.float32).linear == "rowdot"
+
+
+@pytest.mark.parametrize("inner, outer", [(576, 576), (1536, 576), (100, 37), (33, 17)])
+def test_the_avx512_tiles_give_the_avx2_bits(inner, outer):
+    """Where the CPU has AVX-512, rows past one run on its tiles (12 rows a block, or 6 on two blocks): every
+    window of rows gets the AVX2 tiles' bits (forced here), silu fused or not."""
+    lib = native.library()
+    if not lib.kernels_isa(1):
+        pytest.skip("no AVX-512 (F, BW, DQ, VL) here: the AVX2 tiles only")
+    g = torch.Generator().manual_seed(inner * 3 + outer)
+    p = rowdot.pack(torch.randn(outer, inner, generator=g))
+    x = torch.randn(150, inner, generator=g)
+    windows = [*range(1, 15), 24, 63, 64, 65, 150]
+    try:
+        wide = [(rowdot.linear(x[:m], p), rowdot.silu_linear(x[:m], p)) for m in windows]
+        lib.kernels_isa(0)
+        narrow = [(rowdot.linear(x[:m], p), rowdot.silu_linear(x[:m], p)) for m in windows]
+    finally:
+        lib.kernels_isa(1)
+    for m, (a, b) in zip(windows, zip(wide, narrow)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"{m} rows"

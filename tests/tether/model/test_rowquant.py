@@ -71,7 +71,7 @@ def test_blocks_names_round_trip():
 def test_the_avx512_row_kernel_gives_the_avx2_bits(kind):
     """Where the CPU has AVX-512, one row runs on its kernel: the same bits as the AVX2 one (forced here)."""
     lib = native.library()
-    if not lib.rowquant_isa(1):
+    if not lib.kernels_isa(1):
         pytest.skip("no AVX-512 (F, BW, DQ, VL) here: one row runs in AVX2 only")
     weight, blocks = converted(kind, 200, 576, 3)   # 13 column blocks: fours and a remainder
     packed = rowquant.prepare(weight, blocks)
@@ -79,9 +79,9 @@ def test_the_avx512_row_kernel_gives_the_avx2_bits(kind):
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
     try:
         wide = [rowdot.linear(x[i:i + 1], packed) for i in range(4)] + [rowdot.silu_linear(x[:1], packed)]
-        lib.rowquant_isa(0)
+        lib.kernels_isa(0)
         narrow = [rowdot.linear(x[i:i + 1], packed) for i in range(4)] + [rowdot.silu_linear(x[:1], packed)]
     finally:
-        lib.rowquant_isa(1)
+        lib.kernels_isa(1)
     assert all(torch.equal(a, b) for a, b in zip(wide, narrow))
     assert torch.equal(torch.cat(wide[:4]), rowdot.linear(x, rowdot.pack(weight)))

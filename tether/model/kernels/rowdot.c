@@ -113,36 +113,40 @@ static void tile(int rows, const float *x, int64_t ldx, const float *wp, int64_t
     }
 }
 
-/* Rows [0, m) against column blocks [b0, b1): blocks outermost, so that a block's weights (K * 64 bytes) stay
- * in cache while every row passes over them, and are read from memory once per call. */
-static void rows_over_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
-                             int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
-    int64_t b = b0;
+/* rows [0, m) against `nb` blocks whose weights start at wf (block j at wf + j * K * 16) and whose first column
+ * is col0: blocks outermost, so that a block's weights (K * 64 bytes) stay in cache while every row passes over
+ * them, and are read from memory once per call */
+static void rows_over_blocks(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy,
+                             int64_t n, int64_t m, int64_t col0, int64_t nb, int act) {
+    int64_t j = 0;
     if (m == 1)   /* one or two rows: blocks side by side, for enough independent chains */
-        for (; b + 4 <= b1; b += 4)
-            row_by_4_blocks(x, wp + b * k * BLOCK, k, y, b * BLOCK, n, act);
+        for (; j + 4 <= nb; j += 4)
+            row_by_4_blocks(x, wf + j * k * BLOCK, k, y, col0 + j * BLOCK, n, act);
     if (m == 2)
-        for (; b + 2 <= b1; b += 2)
-            rows2_by_2_blocks(x, ldx, wp + b * k * BLOCK, k, y, ldy, b * BLOCK, n, act);
-    for (; b < b1; b++)
+        for (; j + 2 <= nb; j += 2)
+            rows2_by_2_blocks(x, ldx, wf + j * k * BLOCK, k, y, ldy, col0 + j * BLOCK, n, act);
+    for (; j < nb; j++)
         for (int64_t r = 0; r < m; r += 6)
-            tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp + b * k * BLOCK, k, y + r * ldy, ldy,
-                 b * BLOCK, n, act);
+            tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wf + j * k * BLOCK, k, y + r * ldy, ldy,
+                 col0 + j * BLOCK, n, act);
 }
 
-void rowdot_one_block(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
-                      int64_t n, int64_t m, int act) {
-    for (int64_t r = 0; r < m; r += 6)
-        tile(m - r < 6 ? (int)(m - r) : 6, x + r * ldx, ldx, wp, k, y + r * ldy, ldy, col, n, act);
+void rowdot_span(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy, int64_t n,
+                 int64_t m, int64_t col0, int64_t nb, int act) {
+    /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
+    int wide = m > 1 && kernels_isa(-1);   /* from 2 rows the AVX-512 tiles (one row is memory-bound) */
+    for (int64_t r = 0; r < m; r += 64) {
+        int64_t rows = m - r < 64 ? m - r : 64;
+        if (wide)
+            rowdot512_span(x + r * ldx, ldx, wf, k, y + r * ldy, ldy, n, rows, col0, nb, act);
+        else
+            rows_over_blocks(x + r * ldx, ldx, wf, k, y + r * ldy, ldy, n, rows, col0, nb, act);
+    }
 }
 
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
                    int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
-    /* rows in chunks of 64, so that a chunk's x (64 * K floats) stays in cache across the blocks */
-    for (int64_t r = 0; r < m; r += 64) {
-        int64_t rows = m - r < 64 ? m - r : 64;
-        rows_over_blocks(x + r * ldx, ldx, wp, k, y + r * ldy, ldy, n, rows, b0, b1, act);
-    }
+    rowdot_span(x, ldx, wp + b0 * k * BLOCK, k, y, ldy, n, m, b0 * BLOCK, b1 - b0, act);
 }
 
 /* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed by rowdot_pack,

@@ -12,8 +12,8 @@
  *   Q8_0 group, 544 bytes: d[16] fp16, then 32 k-rows of 16 int8
  * Columns past N have d = m = 0, so their weights are +0, as rowdot's zero padding.
  *
- * One row (a decode step alone) dequantizes in registers next to the FMAs; more rows dequantize a column block
- * once into a per-thread buffer and run rowdot's tiles over it.
+ * One row (a decode step alone) dequantizes in registers next to the FMAs; more rows dequantize two column
+ * blocks at a time into a per-thread buffer and run rowdot's tiles over them.
  *
  * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
  */
@@ -137,7 +137,7 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
         store_cols(y, col + BLOCK, n, a1, b1, act);
 }
 
-/* The same one-row kernel in AVX-512 (where the CPU has F, BW, DQ and VL; `rowquant_isa`): a column block's 16
+/* The same one-row kernel in AVX-512 (where the CPU has F, BW, DQ and VL: kernels_isa): a column block's 16
  * columns in one register, up to 4 blocks side by side, two k-rows' nibbles unpacked at once. Every weight is
  * rebuilt by the same operations and every chain runs over k in the same order, so the bits are the AVX2
  * kernel's (tests/tether/model/test_rowquant.py runs both). */
@@ -202,27 +202,15 @@ AVX512 static void row512(const int64_t format, const float *x, const uint8_t *d
     }
 }
 
-/* 1: the one-row kernel runs in AVX-512, 0: in AVX2. Probed once from the CPU (cpuid); `rowquant_isa(want)`
- * sets it (a test compares the two; want 1 where the CPU lacks AVX-512 keeps 0) and returns it, -1 reads it. */
-static int isa512 = -1;
+#define BUFFERED 2   /* column blocks dequantized at a time for more than one row: the AVX-512 tiles' pair */
 
-int rowquant_isa(int want) {
-    if (isa512 < 0 || want >= 0) {
-        __builtin_cpu_init();
-        int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-        isa512 = want == 0 ? 0 : has;
-    }
-    return isa512;
-}
-
-/* this thread's buffer for one dequantized column block (grown, never shrunk: at most K x 16 floats) */
+/* this thread's buffer for BUFFERED dequantized column blocks (grown, never shrunk: K x 16 floats each) */
 static float *block_buffer(int64_t k) {
     static __thread float *buf = NULL;
     static __thread int64_t cap = 0;
     if (k > cap) {
         free(buf);
-        buf = aligned_alloc(64, (size_t)(k * BLOCK) * sizeof(float));
+        buf = aligned_alloc(64, (size_t)(BUFFERED * k * BLOCK) * sizeof(float));
         cap = buf != NULL ? k : 0;
     }
     return buf;
@@ -232,7 +220,7 @@ static inline __attribute__((always_inline)) void
 quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
              int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     int64_t stride = (k / GROUP) * record_bytes(F);
-    if (m == 1 && (isa512 < 0 ? rowquant_isa(-1) : isa512)) {
+    if (m == 1 && kernels_isa(-1)) {
         row512(F, x, data, stride, k, y, n, b0, b1, act);
         return;
     }
@@ -247,9 +235,11 @@ quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, 
     float *buf = block_buffer(k);
     if (buf == NULL)
         abort();   /* out of memory for K x 16 floats: nothing sensible to return from a kernel */
-    for (int64_t b = b0; b < b1; b++) {
-        dequant_block(F, data + b * stride, k, buf);
-        rowdot_one_block(x, ldx, buf, k, y, ldy, b * BLOCK, n, m, act);
+    for (int64_t b = b0; b < b1; b += BUFFERED) {
+        int64_t nb = b1 - b < BUFFERED ? b1 - b : BUFFERED;
+        for (int64_t j = 0; j < nb; j++)
+            dequant_block(F, data + (b + j) * stride, k, buf + j * k * BLOCK);
+        rowdot_span(x, ldx, buf, k, y, ldy, n, m, b * BLOCK, nb, act);
     }
 }
 

@@ -20,9 +20,17 @@ typedef struct {
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
 
-/* rowdot.c: rows [0, m) against one column block (its K x 16 fp32 weights at wp) whose first column is `col` */
-void rowdot_one_block(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
-                      int64_t n, int64_t m, int act);
+/* rowdot.c: rows [0, m) against `nb` column blocks whose K x 16 fp32 weights start at wf (block j at
+ * wf + j * K * 16) and whose first column is col0 */
+void rowdot_span(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy, int64_t n,
+                 int64_t m, int64_t col0, int64_t nb, int act);
+
+/* rowdot512.c: rowdot_span's tiles in AVX-512 (m <= 64), and whether they run: kernels_isa(-1) reads it (probed
+ * from cpuid once), kernels_isa(0) turns them off (AVX2 everywhere: a test compares), kernels_isa(1) on where
+ * the CPU has AVX-512 F, BW, DQ and VL. Same bits either way. */
+void rowdot512_span(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy, int64_t n,
+                    int64_t m, int64_t col0, int64_t nb, int act);
+int kernels_isa(int want);
 
 /* rowquant.c: rowdot_blocks for a weight in any format, every output the same chain as rowdot's on the fp32
  * weight the blocks dequantize to */

@@ -1,0 +1,112 @@
+/* rowdot's tiles in AVX-512, where the CPU has it (kernels_isa): the same chains as rowdot.c's AVX2 tiles (each
+ * output one FMA chain over k = 0, 1, ..., K-1 in order, from zero), so the same bits, with a column block's 16
+ * outputs in one register and 32 registers for more rows a tile: a weight vector loaded once feeds up to 12
+ * rows, and each row's x comes as a broadcast operand of the FMA.
+ *
+ * Built with the other kernels' flags; these functions carry their own target, and are only called where
+ * cpuid says the CPU runs them.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "rows.h"
+#include "vecmath.h"
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+static int isa512 = -1;
+
+int kernels_isa(int want) {
+    if (isa512 < 0 || want >= 0) {
+        __builtin_cpu_init();
+        int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+        isa512 = want == 0 ? 0 : has;
+    }
+    return isa512;
+}
+
+static inline AVX512 __attribute__((always_inline)) void
+store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
+    store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
+}
+
+/* R <= 12 rows against one block */
+#define R1(j) if (R > j) a##j = _mm512_fmadd_ps(_mm512_set1_ps(x[j * ldx + i]), w, a##j);
+#define O1(j) if (R > j) store16(y + j * ldy, col, n, a##j, act);
+static inline AVX512 __attribute__((always_inline)) void
+tile1(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
+      int64_t n, int act) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+           a9 = a0, a10 = a0, a11 = a0;
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w = _mm512_load_ps(wp + i * BLOCK);
+        R1(0) R1(1) R1(2) R1(3) R1(4) R1(5) R1(6) R1(7) R1(8) R1(9) R1(10) R1(11)
+    }
+    O1(0) O1(1) O1(2) O1(3) O1(4) O1(5) O1(6) O1(7) O1(8) O1(9) O1(10) O1(11)
+}
+
+/* R <= 6 rows against two blocks side by side: twice the chains for few rows */
+#define R2(j)                                                                                      \
+    if (R > j) {                                                                                   \
+        __m512 xv = _mm512_set1_ps(x[j * ldx + i]);                                                \
+        a##j = _mm512_fmadd_ps(xv, w0, a##j);                                                      \
+        b##j = _mm512_fmadd_ps(xv, w1, b##j);                                                      \
+    }
+#define O2(j) if (R > j) { store16(y + j * ldy, col, n, a##j, act); store16(y + j * ldy, col + BLOCK, n, b##j, act); }
+static inline AVX512 __attribute__((always_inline)) void
+tile2(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
+      int64_t n, int act) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    const float *p1 = wp + k * BLOCK;
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w0 = _mm512_load_ps(wp + i * BLOCK), w1 = _mm512_load_ps(p1 + i * BLOCK);
+        R2(0) R2(1) R2(2) R2(3) R2(4) R2(5)
+    }
+    O2(0) O2(1) O2(2) O2(3) O2(4) O2(5)
+}
+
+AVX512 static void one(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                       int64_t col, int64_t n, int act) {
+    switch (rows) {
+    case 12: tile1(12, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 11: tile1(11, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 10: tile1(10, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 9: tile1(9, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 8: tile1(8, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 7: tile1(7, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 6: tile1(6, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 5: tile1(5, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 4: tile1(4, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 3: tile1(3, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 2: tile1(2, x, ldx, wp, k, y, ldy, col, n, act); break;
+    default: tile1(1, x, ldx, wp, k, y, ldy, col, n, act); break;
+    }
+}
+
+AVX512 static void two(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
+                       int64_t col, int64_t n, int act) {
+    switch (rows) {
+    case 6: tile2(6, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 5: tile2(5, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 4: tile2(4, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 3: tile2(3, x, ldx, wp, k, y, ldy, col, n, act); break;
+    case 2: tile2(2, x, ldx, wp, k, y, ldy, col, n, act); break;
+    default: tile2(1, x, ldx, wp, k, y, ldy, col, n, act); break;
+    }
+}
+
+/* rows [0, m) (m <= 64: rowdot_span's chunk) against `nb` blocks whose weights start at wf and whose first
+ * column is col0: up to 6 rows on two blocks at once (12 chains), from 7 rows on one block at a time (up to 12) */
+AVX512 void rowdot512_span(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy, int64_t n,
+                           int64_t m, int64_t col0, int64_t nb, int act) {
+    int64_t j = 0;
+    if (m <= 6)
+        for (; j + 2 <= nb; j += 2)
+            two((int)m, x, ldx, wf + j * k * BLOCK, k, y, ldy, col0 + j * BLOCK, n, act);
+    for (; j < nb; j++)
+        for (int64_t r = 0; r < m; r += 12)
+            one(m - r < 12 ? (int)(m - r) : 12, x + r * ldx, ldx, wf + j * k * BLOCK, k, y + r * ldy, ldy,
+                col0 + j * BLOCK, n, act);
+}
