@@ -1,7 +1,8 @@
 """The start-up and metrics endpoint every service's `main()` shares, so each main.py keeps only its own flags and wiring.
 
 A service (services/{admission,coordinator,stage_worker}/main.py) builds its parser and its `serve(args)`
-coroutine; `run` does the rest the same way for all three: die with the parent (tether/procutil.py), logs,
+coroutine; `run` does the rest the same way for all three: die with the parent (tether/procutil.py), the heap's
+thresholds (tether/heap.py), logs,
 tracing, the experiment flags, TLS from the flags, then the event loop until SIGINT/SIGTERM (the coroutine
 ends in `grpcutil.Server.wait_for_signal`, which drains in-flight calls).
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from tether import telemetry
+from tether import heap, telemetry
 from tether.ports import EXIT_PORT_IN_USE, PortInUse, Report, write_report
 from tether.procutil import follow_parent
 from tether.security import tls
@@ -47,6 +48,7 @@ def run(name: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
     launcher does not restart it), reported in --port-file too; an error of a type in `fatal` out of `serve` (a
     missing model folder) ends the process with one line, `tether NAME: error`, instead of a traceback."""
     follow_parent()
+    heap.keep_freed_memory()   # a step's temporaries reuse the heap, not fresh pages (tether/heap.py)
     logs.configure(name, args.log_level, args.log_format)
     tracing.configure(name, args.otlp_endpoint)   # off unless --otlp-endpoint or OTEL_EXPORTER_OTLP_*
     if experiments:
