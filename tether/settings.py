@@ -70,8 +70,9 @@ MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled
 # under load (its handshake says so), the coordinator keeps ONE micro-batch in flight instead of one per stage:
 # each stage then runs it on every core while the others wait. On 2 shared cores a step's linears are bound by
 # memory, so 8 rows on 2 threads cost less than 4 rows on 1 (smollm2 bf16, AMD EPYC, served at 8 streams: 1.19x
-# the output tokens/s, 16: 1.10x, 32: 1.03x; docs/PERFORMANCE.md). 0: always one micro-batch per stage.
-ALONE_MAX_REQUESTS = 16
+# the output tokens/s, 16: 1.10x, 32: 1.03x); with fp32 on our kernels there, 32 streams alone gave 1.10x what two
+# micro-batches of 16 did (docs/PERFORMANCE.md). 0: always one micro-batch per stage.
+ALONE_MAX_REQUESTS = 32
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 PEER_RECONNECT_BACKOFF_MAX_S = 2.0   # the longest a service-to-service channel waits between connection attempts
