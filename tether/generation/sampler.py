@@ -58,27 +58,43 @@ def draw_distance(logits: torch.Tensor, params: common_pb2.SamplingParams, token
     return max(low - u, u - high, 0.0)
 
 
-# Candidates a nucleus (top-p) cut first looks at, then 8x as many until their mass reaches top_p.
+# Candidates a nucleus (top-p) cut first looks at; past them, a floor estimated from the row's mass by value.
 NUCLEUS_FIRST = 64
+BUCKET_SHIFT = 48   # a float64's bits >> 48: its exponent and 4 mantissa bits, 16 buckets an octave, in value order
+
+
+def _estimated_floor(probs: torch.Tensor, top_p: float) -> float:
+    """A value such that the entries at or above it hold about `top_p` of the row's mass: the mass per bucket of
+    values (the float64's exponent and top mantissa bits, which order like the values themselves), summed from
+    the largest bucket down until it reaches top_p; the floor is that bucket's lower edge, one bucket lower for
+    the float noise of these sums. Only a guess: `nucleus_drop` checks it exactly and lowers it when short."""
+    # entries below 1e-30 (and zeros) share the lowest bucket
+    keys = probs.clamp(min=1e-30).contiguous().view(torch.int64) >> BUCKET_SHIFT
+    low = int(keys.min())
+    mass = torch.bincount(keys - low, weights=probs)
+    reached = torch.nonzero(torch.cumsum(mass.flip(0), 0) >= top_p).flatten()
+    if reached.numel() == 0:
+        return 0.0
+    bucket = mass.numel() - 1 - int(reached[0]) + low - 1
+    return float(torch.tensor([bucket << BUCKET_SHIFT]).view(torch.float64)[0])
 
 
 def nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The entries of one row of probabilities [vocab] that top-p drops, exactly as `filtered_probs` finds them
-    (a stable descending sort of the whole row, its cumulative sum) but sorting only the largest entries: the
-    m largest (every entry tied with the m-th included) are the first m of that sort in the same order, so
-    their cumulative sums are the same floats (CPU cumsum adds in order), and once those reach top_p every
-    later entry is dropped (adding non-negative floats never lowers a sum). 49,152 entries: ~20x faster."""
+    (a stable descending sort of the whole row, its cumulative sum) but sorting only the largest entries: every
+    entry at or above a floor value are the first of that sort in the same order (a stable sort keeps index
+    order among ties, and all of them come before every smaller entry), so their cumulative sums are the same
+    floats (CPU cumsum adds in order), and once those reach top_p every later entry is dropped (adding
+    non-negative floats never lowers a sum). The floor: the NUCLEUS_FIRST-th largest entry, else an estimate
+    from the row's mass (`_estimated_floor`), halved until the entries above it reach top_p, or zero (every
+    positive entry). 49,152 entries: ~20x faster than the whole sort for a peaked row, ~2-4x for a flat one."""
     vocab = probs.numel()
-    m = NUCLEUS_FIRST
+    floor = float(torch.topk(probs, NUCLEUS_FIRST).values[-1]) if vocab > NUCLEUS_FIRST else 0.0
+    first = True
     while True:
-        whole = m >= vocab
-        if whole:
-            candidates = torch.arange(vocab)
-        else:
-            floor = float(torch.topk(probs, m).values[-1])
-            # a zero floor: every positive entry is in; zeros sort last and stay zero whatever top-p says
-            whole = floor <= 0
-            candidates = torch.nonzero(probs > 0 if whole else probs >= floor).flatten()
+        whole = floor <= 0
+        # a zero floor: every positive entry is in; zeros sort last and stay zero whatever top-p says
+        candidates = torch.nonzero(probs > 0 if whole else probs >= floor).flatten()
         values = probs[candidates]
         sorted_p, order = torch.sort(values, descending=True, stable=True)
         cum = torch.cumsum(sorted_p, dim=-1)
@@ -86,7 +102,10 @@ def nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             drop = torch.ones(vocab, dtype=torch.bool)
             drop[candidates[order]] = (cum - sorted_p) >= top_p
             return drop
-        m *= 8
+        floor = min(_estimated_floor(probs, top_p), floor) if first else floor / 2 ** 4
+        first = False
+        if floor < 1e-300:
+            floor = 0.0
 
 
 def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> torch.Tensor:

@@ -204,6 +204,29 @@ def test_a_flat_nucleus_reaches_past_the_first_candidates_and_matches_the_whole_
         assert torch.equal(sampler.filtered_rows(row[None], [p])[0], want)
 
 
+@pytest.mark.parametrize("scale", [3.0, 1.5])
+def test_a_nucleus_of_thousands_matches_the_whole_sort(scale):
+    """Past the first 64 candidates the floor is estimated from the row's mass by value: nuclei of ~2,000 and
+    ~20,000 of 49,152 entries, ties among them, each top-p: the whole sort's probabilities bit for bit."""
+    g = torch.Generator().manual_seed(17)
+    tied = (torch.randn(49152, generator=g) * scale * 16).round() / 16   # values in sixteenths: many ties
+    for row in (torch.randn(49152, generator=g) * scale, tied):
+        for top_p in (0.5, 0.9, 0.99):
+            p = sampling_params(temperature=1.0, top_p=top_p)
+            want = sampler.filtered_probs(row, p)
+            assert int((want > 0).sum()) > sampler.NUCLEUS_FIRST
+            assert torch.equal(sampler.filtered_rows(row[None], [p])[0], want), (scale, top_p)
+
+
+def test_a_floor_estimated_too_high_is_lowered_until_the_nucleus_is_whole(monkeypatch):
+    """The estimate is only a guess: one that leaves the nucleus short (here: the largest entry) is lowered
+    until the entries above it reach top-p, with the whole sort's answer."""
+    monkeypatch.setattr(sampler, "_estimated_floor", lambda probs, top_p: float(probs.max()))
+    row = torch.randn(49152, generator=torch.Generator().manual_seed(5)) * 2
+    p = sampling_params(temperature=1.0, top_p=0.9)
+    assert torch.equal(sampler.filtered_rows(row[None], [p])[0], sampler.filtered_probs(row, p))
+
+
 def test_sample_rows_on_the_real_vocabulary():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 49152, generator=g) * 6
