@@ -214,7 +214,7 @@ def test_a_nucleus_of_thousands_matches_the_whole_sort(scale):
         for top_p in (0.5, 0.9, 0.99):
             p = sampling_params(temperature=1.0, top_p=top_p)
             want = sampler.filtered_probs(row, p)
-            assert int((want > 0).sum()) > sampler.NUCLEUS_FIRST
+            assert top_p < 0.9 or int((want > 0).sum()) > 8 * sampler.NUCLEUS_FIRST
             assert torch.equal(sampler.filtered_rows(row[None], [p])[0], want), (scale, top_p)
 
 
