@@ -79,7 +79,7 @@ def _estimated_floor(probs: torch.Tensor, top_p: float) -> float:
     return float(torch.tensor([bucket << BUCKET_SHIFT]).view(torch.float64)[0])
 
 
-def nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_drop(probs: torch.Tensor, top_p: float, first: float | None = None) -> torch.Tensor:
     """The entries of one row of probabilities [vocab] that top-p drops, exactly as `filtered_probs` finds them
     (a stable descending sort of the whole row, its cumulative sum) but sorting only the largest entries: every
     entry at or above a floor value are the first of that sort in the same order (a stable sort keeps index
@@ -87,10 +87,13 @@ def nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     floats (CPU cumsum adds in order), and once those reach top_p every later entry is dropped (adding
     non-negative floats never lowers a sum). The floor: the NUCLEUS_FIRST-th largest entry, else an estimate
     from the row's mass (`_estimated_floor`), halved until the entries above it reach top_p, or zero (every
-    positive entry). 49,152 entries: ~20x faster than the whole sort for a peaked row, ~2-4x for a flat one."""
+    positive entry). 49,152 entries: ~20x faster than the whole sort for a peaked row, ~2-4x for a flat one.
+    `first`: the NUCLEUS_FIRST-th largest entry where the caller found it already (`filtered_rows`, all rows in
+    one topk)."""
     vocab = probs.numel()
-    floor = float(torch.topk(probs, NUCLEUS_FIRST).values[-1]) if vocab > NUCLEUS_FIRST else 0.0
-    first = True
+    if first is None:
+        first = float(torch.topk(probs, NUCLEUS_FIRST).values[-1]) if vocab > NUCLEUS_FIRST else 0.0
+    floor, estimated = first, False
     while True:
         whole = floor <= 0
         # a zero floor: every positive entry is in; zeros sort last and stay zero whatever top-p says
@@ -102,29 +105,33 @@ def nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             drop = torch.ones(vocab, dtype=torch.bool)
             drop[candidates[order]] = (cum - sorted_p) >= top_p
             return drop
-        floor = min(_estimated_floor(probs, top_p), floor) if first else floor / 2 ** 4
-        first = False
+        floor = floor / 2 ** 4 if estimated else min(_estimated_floor(probs, top_p), floor)
+        estimated = True
         if floor < 1e-300:
             floor = 0.0
 
 
 def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> torch.Tensor:
     """`filtered_probs` of every row of `logits` [rows, vocab] with its own parameters (every temperature > 0),
-    bit for bit, in a few batched ops: temperature and softmax over all rows at once, each top-k's threshold
-    from one `topk` of the largest k (the same values a sort gives), top-p by `nucleus_drop`."""
+    bit for bit, in a few batched ops: temperature and softmax over all rows at once, the top-k thresholds of the
+    rows that have one from one `topk` of the largest k (the same values a sort gives), top-p by `nucleus_drop`."""
     vocab = logits.shape[-1]
     x = logits.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        # the k-th largest value of each row (topk's last value): everything below it is out
-        largest = torch.topk(x, max(top_k), dim=-1).values
-        kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k])[:, None])
-        kth[torch.tensor([k == 0 for k in top_k])] = float("-inf")
-        x = x.masked_fill(x < kth, float("-inf"))
+    cut = [(r, p.top_k) for r, p in enumerate(params) if 0 < p.top_k < vocab]
+    if cut:
+        # the k-th largest value of each row that has a top-k (topk's last value): everything below it is out
+        rows = torch.tensor([r for r, _ in cut])
+        xs = x[rows]
+        largest = torch.topk(xs, max(k for _, k in cut), dim=-1).values
+        kth = largest.gather(1, torch.tensor([k - 1 for _, k in cut])[:, None])
+        x[rows] = xs.masked_fill(xs < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    for r, p in enumerate(params):
-        if 0 < p.top_p < 1:
-            row = probs[r].masked_fill(nucleus_drop(probs[r], p.top_p), 0.0)
+    nucleus = [r for r, p in enumerate(params) if 0 < p.top_p < 1]
+    if nucleus:
+        firsts = torch.topk(probs[nucleus], NUCLEUS_FIRST, dim=-1).values[:, -1].tolist() \
+            if vocab > NUCLEUS_FIRST else [0.0] * len(nucleus)
+        for r, first in zip(nucleus, firsts):
+            row = probs[r].masked_fill(nucleus_drop(probs[r], params[r].top_p, first), 0.0)
             probs[r] = row / row.sum()
     return probs
 
