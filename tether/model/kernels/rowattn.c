@@ -29,32 +29,38 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return hsum(acc);
 }
 
-/* key (or value) j of the row's request, for its kv head */
-#define KEY(cache, j) ((cache) + ((table[(j) / block] * kv_heads + kvh) * block + (j) % block) * d)
+/* the first of the row's keys (or values) in block b of its request, for its kv head: the block's keys follow it,
+ * d floats apart (the arena is [blocks][kv_heads][block][d]) */
+#define BLOCK_AT(cache, b) ((cache) + ((table[b] * kv_heads + kvh) * block) * d)
 
 void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
                     int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out) {
     int64_t ctx = pos + 1;
     float m = -INFINITY;
-    int64_t j = 0;
-    for (; j + 4 <= ctx; j += 4) {   /* four keys' chains side by side (each the same chain as alone) */
-        const float *k0 = KEY(kc, j), *k1 = KEY(kc, j + 1), *k2 = KEY(kc, j + 2), *k3 = KEY(kc, j + 3);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < d; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    /* block by block (no division per key); inside a block four keys' chains side by side, each the same chain
+     * as alone */
+    for (int64_t j0 = 0; j0 < ctx; j0 += block) {
+        const float *kb = BLOCK_AT(kc, j0 / block);
+        int64_t n = ctx - j0 < block ? ctx - j0 : block, o = 0;
+        for (; o + 4 <= n; o += 4) {
+            const float *k0 = kb + o * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 qv = _mm256_loadu_ps(q + i);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+            }
+            s[j0 + o] = hsum(a0) * scale;
+            s[j0 + o + 1] = hsum(a1) * scale;
+            s[j0 + o + 2] = hsum(a2) * scale;
+            s[j0 + o + 3] = hsum(a3) * scale;
         }
-        s[j] = hsum(a0) * scale;
-        s[j + 1] = hsum(a1) * scale;
-        s[j + 2] = hsum(a2) * scale;
-        s[j + 3] = hsum(a3) * scale;
+        for (; o < n; o++)
+            s[j0 + o] = dot(q, kb + o * d, d) * scale;
     }
-    for (; j < ctx; j++)
-        s[j] = dot(q, KEY(kc, j), d) * scale;
-    for (j = 0; j < ctx; j++)
+    for (int64_t j = 0; j < ctx; j++)
         m = s[j] > m ? s[j] : m;
     int64_t padded = (ctx + 7) / 8 * 8, full = ctx / 8 * 8;
     for (int64_t j = ctx; j < padded; j++)
@@ -73,11 +79,15 @@ void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t
     __m256 acc[32];
     for (int64_t i = 0; i < d / 8; i++)
         acc[i] = _mm256_setzero_ps();
-    for (j = 0; j < ctx; j++) {
-        const float *v = KEY(vc, j);
-        __m256 e = _mm256_set1_ps(s[j]);
-        for (int64_t i = 0; i < d / 8; i++)
-            acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    for (int64_t j0 = 0; j0 < ctx; j0 += block) {
+        const float *vb = BLOCK_AT(vc, j0 / block);
+        int64_t n = ctx - j0 < block ? ctx - j0 : block;
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = vb + o * d;
+            __m256 e = _mm256_set1_ps(s[j0 + o]);
+            for (int64_t i = 0; i < d / 8; i++)
+                acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
     }
     __m256 lv8 = _mm256_set1_ps(l);
     for (int64_t i = 0; i < d / 8; i++)
