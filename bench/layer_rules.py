@@ -27,26 +27,38 @@ from tether.model.llama import ModelSlice, SlotRows  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
 
 
-def step_ms(model: ModelSlice, rule: RowRule, batch: int, threads: int, context: int, steps: int) -> float:
-    model.rows = rule
+def decode_ms(model: ModelSlice, batch: int, threads: int, context: int, steps: int,
+              head: bool = False) -> tuple[float, float]:
+    """Median decode step of `batch` requests at `context` positions, one new row each, on `threads` threads (as a
+    frame alone in the pipeline runs), and, with `head` (a slice that has it), of the head over those rows: ms."""
     g = torch.Generator().manual_seed(0)
     kvs = []
     for _ in range(batch):
         kv = model.new_kv()
         kv.ensure(context + steps)
-        model(torch.randint(0, 256, (context,), generator=g), [SlotRows(kv, 0, context)])
+        model(torch.randint(0, 256, (context,), generator=g), [SlotRows(kv, 0, context)], threads)
         kv.length = context
         kvs.append(kv)
-    times = []
+    layers: list[float] = []
+    heads: list[float] = []
     for _ in range(steps):
         t = time.perf_counter()
-        model(torch.randint(0, 256, (batch,), generator=g), [SlotRows(kv, kv.length, 1) for kv in kvs], threads)
-        times.append(time.perf_counter() - t)
+        h = model(torch.randint(0, 256, (batch,), generator=g), [SlotRows(kv, kv.length, 1) for kv in kvs], threads)
+        t1 = time.perf_counter()
+        layers.append(t1 - t)
+        if head:
+            model.logits(h, threads)
+            heads.append(time.perf_counter() - t1)
         for kv in kvs:
             kv.length += 1
     for kv in kvs:
         kv.release()
-    return statistics.median(times) * 1000
+    return statistics.median(layers) * 1000, statistics.median(heads) * 1000 if heads else 0.0
+
+
+def step_ms(model: ModelSlice, rule: RowRule, batch: int, threads: int, context: int, steps: int) -> float:
+    model.rows = rule
+    return decode_ms(model, batch, threads, context, steps)[0]
 
 
 def main() -> None:

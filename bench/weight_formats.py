@@ -20,42 +20,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.layer_rules import decode_ms  # noqa: E402
 from tether.model import native, numerics  # noqa: E402
 from tether.model.config import ModelConfig  # noqa: E402
-from tether.model.llama import Linear, ModelSlice, SlotRows  # noqa: E402
+from tether.model.llama import Linear, ModelSlice  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
-
-
-def step_ms(model: ModelSlice, batch: int, threads: int, context: int, steps: int) -> tuple[float, float]:
-    """Median decode step and head (ms) of `batch` requests at `context` positions."""
-    g = torch.Generator().manual_seed(0)
-    kvs = []
-    for _ in range(batch):
-        kv = model.new_kv()
-        kv.ensure(context + steps)
-        model(torch.randint(0, 256, (context,), generator=g), [SlotRows(kv, 0, context)], threads)
-        kv.length = context
-        kvs.append(kv)
-    layers, head = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        h = model(torch.randint(0, 256, (batch,), generator=g), [SlotRows(kv, kv.length, 1) for kv in kvs], threads)
-        t1 = time.perf_counter()
-        model.logits(h, threads)
-        layers.append(t1 - t)
-        head.append(time.perf_counter() - t1)
-        for kv in kvs:
-            kv.length += 1
-    for kv in kvs:
-        kv.release()
-    return statistics.median(layers) * 1000, statistics.median(head) * 1000
 
 
 def main() -> None:
@@ -99,7 +74,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for name, (model, isa) in variants.items():
                         lib.kernels_isa(isa)
-                        got[name].append(step_ms(model, batch, threads, args.context, args.steps))
+                        got[name].append(decode_ms(model, batch, threads, args.context, args.steps, head=True))
                 cells = []
                 for name in variants:
                     s = statistics.median(x[0] for x in got[name])

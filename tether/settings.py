@@ -98,9 +98,9 @@ KV_MEMORY_MIB = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Release leaks nothing)
 
-# Numerics every service, the reference and the benches default to (--dtype): "auto" is bfloat16 where the CPU
-# computes it natively and a start-up probe finds its kernels invariant unpadded, else float32: on our own C
-# kernels, unpadded, where the machine builds them (tether/model/native.py), else padded
+# Numerics every service, the reference and the benches default to (--dtype): "auto" is float32 on our own C
+# kernels, whole layers in one call, where the machine builds them (tether/model/native.py); else bfloat16 where
+# the CPU computes it natively and a start-up probe finds its kernels invariant unpadded; else float32 padded
 # (tether/model/numerics.py). A pipeline's stages must all choose the same (the handshake refuses a mix).
 # bf16 runs unpadded but on at least the probe's floor of rows (2 on smollm2: a 1-row down_proj has other bits;
 # docs/PERFORMANCE.md, "Numerics per machine").

@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers to hold: START:END (END exclusive) or I/N for slice I of N, split so that the "
                         "slowest stage is fastest (the last also runs the LM head and sampling) (default: all)")
     p.add_argument("--dtype", default=settings.DTYPE, choices=dtypes.CHOICES,
-                   help="compute dtype; auto: bfloat16 where this CPU runs it natively and invariantly, else "
-                        "float32 (on our own C kernels where this machine builds them, else padded) "
-                        "(default: %(default)s)")
+                   help="compute dtype; auto: float32 on our own C kernels where this machine builds them (the "
+                        "model's GGUF groups read where its folder keeps them), else bfloat16 where this CPU runs "
+                        "it natively and invariantly, else float32 padded (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--alone-threads", type=int, default=0, metavar="N",
                    help="threads a step may take when its frame is the only micro-batch in the pipeline (the "

@@ -41,7 +41,8 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
     """Load layers [layer_start, layer_end) (all by default) reading only the tensors the slice needs, in
     `dtype` ("auto": as tether/model/numerics.py chooses for this machine; the slice's `dtype` says which).
     The services and the reference default to settings.DTYPE; this library call says float32 unless told.
-    A linear whose GGUF groups the folder keeps (tether/model/rowquant.py) gets them, for rowdot to read."""
+    In float32, a linear whose GGUF groups the folder keeps (tether/model/rowquant.py) gets them, for rowdot to
+    read."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     end = cfg.num_hidden_layers if layer_end is None else layer_end
@@ -54,9 +55,11 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
             for name in st.keys():
                 quant = rowquant.split_name(name)
                 key = _slice_key(quant[0] if quant else name, layer_start, end, cfg)
-                if key is not None and quant:
+                if key is None or (quant and dtype != "float32"):   # only fp32's kernel reads the groups
+                    continue
+                if quant:
                     blocks[key] = rowquant.Blocks(quant[1], st.get_tensor(name))
-                elif key is not None:
+                else:
                     state[key] = st.get_tensor(name)
     if model.has_head and cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]

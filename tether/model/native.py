@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.rowdot_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rowdot_pack.restype = None
-    lib.rowdot.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32]
+    lib.rowdot.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
     lib.rowdot.restype = None
     lib.rowquant_bytes.argtypes = [i64, i64, i64]
     lib.rowquant_bytes.restype = i64
@@ -80,8 +80,6 @@ def library() -> ctypes.CDLL:
     lib.rowquant_pack.restype = None
     lib.rowquant_dequant.argtypes = [ptr, i64, i64, i64, ptr]
     lib.rowquant_dequant.restype = None
-    lib.rowquant.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
-    lib.rowquant.restype = None
     lib.kernels_isa.argtypes = [i32]
     lib.kernels_isa.restype = i32
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]

@@ -1,12 +1,12 @@
 """Which numerics this machine serves a model in: `--dtype auto` resolved, once per process.
 
-float32 where our own C kernels build and pass the probe as whole layers in one call (rowlayer: exact fp32, and
-where the model's folder keeps its GGUF groups the linears read those, tether/model/rowquant.py); else
-bfloat16 where the CPU computes it natively and a start-up probe on the model's own shapes finds every op
-class row-count- and thread-invariant without padding, from some small floor of rows on; float32 otherwise,
-on our own C kernels where they build and the probe passes them (rowdot linears, rowattn attention and rowlayer's
-whole layers in one call: one fixed-order chain per output, unpadded; on an AMD EPYC without AVX-512 a decode
-step 3x faster than MKL padded to 4, then 2x again in one call), else padded. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
+float32 where our own C kernels build and the probe passes them as whole layers in one call (rowdot linears,
+rowattn attention, rowlayer: one fixed-order chain per output, unpadded, exact fp32; on an AMD EPYC without
+AVX-512 a decode step 3x faster than MKL padded to 4, then 2x again in one call; where the model's folder keeps
+its GGUF groups the linears read those, tether/model/rowquant.py); else bfloat16 where the CPU computes it
+natively and a start-up probe on the model's own shapes finds every op class row-count- and thread-invariant
+without padding, from some small floor of rows on; else float32 on whatever of our kernels pass, padded
+elsewhere. What we found on an AMD EPYC with avx512_bf16 (torch 2.13, oneDNN): bf16 `F.linear` gives the same
 row bits for every row count >= 2 and thread count, where fp32 MKL changes them at M = 2, 4, ...; but a 1-row
 product over K = 1536 (smollm2's down_proj) differs on ~10% of rows, so that product runs on at least 2 rows
 (`probe_floors` returns each linear shape's floor apart from the rest's). On a CPU without native bf16 dot

@@ -57,12 +57,9 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         rows = rows.contiguous()
     m, n = rows.shape[0], weight.out_features
     y = torch.empty(m, n, dtype=torch.float32)
-    if m and weight.format == F32:
-        lib.rowdot(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), k, y.data_ptr(), n, n, m,
+    if m:
+        lib.rowdot(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), weight.format, k, y.data_ptr(), n, n, m,
                    torch.get_num_threads(), int(silu))
-    elif m:
-        lib.rowquant(rows.data_ptr(), rows.stride(0), weight.data.data_ptr(), weight.format, k, y.data_ptr(), n, n,
-                     m, torch.get_num_threads(), int(silu))
     if bias is not None:
         y += bias
     return y.view(*lead, n)

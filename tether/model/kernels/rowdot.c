@@ -149,16 +149,17 @@ void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, floa
     rowdot_span(x, ldx, wp + b0 * k * BLOCK, k, y, ldy, n, m, b0 * BLOCK, b1 - b0, act);
 }
 
-/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed by rowdot_pack,
- * on `threads` threads:
+/* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed in `format`
+ * (rowdot_pack's fp32 blocks or rowquant.c's), on `threads` threads:
  * each takes a contiguous share of the column blocks (in fours, the one-row tile's width), and every block is
  * computed the same way whoever computes it. OpenMP here is torch's own libgomp (the same soname, already
  * loaded when this library is), so the threads are the pool torch's ops use on the calling thread. */
-void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
-            int64_t m, int threads, int act) {
+void rowdot(const float *x, int64_t ldx, const void *data, int64_t format, int64_t k, float *y, int64_t ldy,
+            int64_t n, int64_t m, int threads, int act) {
+    packed_weight w = {data, format};
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
     if (threads <= 1 || blocks < 8) {
-        rowdot_blocks(x, ldx, wp, k, y, ldy, n, m, 0, blocks, act);
+        weight_blocks(x, ldx, &w, k, y, ldy, n, m, 0, blocks, act);
         return;
     }
     #pragma omp parallel num_threads(threads)
@@ -166,6 +167,6 @@ void rowdot(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, i
         int64_t b0, b1;
         rows_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
         if (b0 < b1)
-            rowdot_blocks(x, ldx, wp, k, y, ldy, n, m, b0, b1, act);
+            weight_blocks(x, ldx, &w, k, y, ldy, n, m, b0, b1, act);
     }
 }

@@ -10,9 +10,6 @@
 #include <stdint.h>
 
 #include "rows.h"
-#include "vecmath.h"
-
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 static int isa512 = -1;
 
@@ -24,11 +21,6 @@ int kernels_isa(int want) {
         isa512 = want == 0 ? 0 : has;
     }
     return isa512;
-}
-
-static inline AVX512 __attribute__((always_inline)) void
-store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
-    store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
 }
 
 /* R <= 12 rows against one block */
@@ -67,33 +59,20 @@ tile2(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, floa
     O2(0) O2(1) O2(2) O2(3) O2(4) O2(5)
 }
 
+/* a tile of `rows` rows, R a constant in each case (so that the unused rows compile away) */
+#define TILE(tile, R) case R: tile(R, x, ldx, wp, k, y, ldy, col, n, act); break;
 AVX512 static void one(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
                        int64_t col, int64_t n, int act) {
     switch (rows) {
-    case 12: tile1(12, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 11: tile1(11, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 10: tile1(10, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 9: tile1(9, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 8: tile1(8, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 7: tile1(7, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 6: tile1(6, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 5: tile1(5, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 4: tile1(4, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 3: tile1(3, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 2: tile1(2, x, ldx, wp, k, y, ldy, col, n, act); break;
-    default: tile1(1, x, ldx, wp, k, y, ldy, col, n, act); break;
+    TILE(tile1, 12) TILE(tile1, 11) TILE(tile1, 10) TILE(tile1, 9) TILE(tile1, 8) TILE(tile1, 7)
+    TILE(tile1, 6) TILE(tile1, 5) TILE(tile1, 4) TILE(tile1, 3) TILE(tile1, 2) default: tile1(1, x, ldx, wp, k, y, ldy, col, n, act);
     }
 }
 
 AVX512 static void two(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
                        int64_t col, int64_t n, int act) {
     switch (rows) {
-    case 6: tile2(6, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 5: tile2(5, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 4: tile2(4, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 3: tile2(3, x, ldx, wp, k, y, ldy, col, n, act); break;
-    case 2: tile2(2, x, ldx, wp, k, y, ldy, col, n, act); break;
-    default: tile2(1, x, ldx, wp, k, y, ldy, col, n, act); break;
+    TILE(tile2, 6) TILE(tile2, 5) TILE(tile2, 4) TILE(tile2, 3) TILE(tile2, 2) default: tile2(1, x, ldx, wp, k, y, ldy, col, n, act);
     }
 }
 

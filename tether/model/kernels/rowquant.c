@@ -18,13 +18,11 @@
  * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "rows.h"
-#include "vecmath.h"
 
 #define GROUP 32
 
@@ -141,12 +139,6 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
  * columns in one register, up to 4 blocks side by side, two k-rows' nibbles unpacked at once. Every weight is
  * rebuilt by the same operations and every chain runs over k in the same order, so the bits are the AVX2
  * kernel's (tests/tether/model/test_rowquant.py runs both). */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
-static inline AVX512 __attribute__((always_inline)) void
-store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
-    store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
-}
 
 #define W4(r) _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r)), m[j])
 #define W8(i) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128( \
@@ -186,20 +178,24 @@ row_blocks512(const int64_t F, const int nb, const float *x, const uint8_t *blk,
         store16(y, col + j * BLOCK, n, acc[j], act);
 }
 
+/* column blocks [b0, b1) in fours, then one by one */
+static inline AVX512 __attribute__((always_inline)) void
+row_span512(const int64_t F, const float *x, const uint8_t *data, int64_t stride, int64_t k, float *y, int64_t n,
+            int64_t b0, int64_t b1, int act) {
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4)
+        row_blocks512(F, 4, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+    for (; b < b1; b++)
+        row_blocks512(F, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+}
+
+/* not inlined into the AVX2 code that calls it: each format's span compiled once, in AVX-512 */
 AVX512 static void row512(const int64_t format, const float *x, const uint8_t *data, int64_t stride, int64_t k,
                           float *y, int64_t n, int64_t b0, int64_t b1, int act) {
-    int64_t b = b0;
-    if (format == WEIGHT_Q4_1) {
-        for (; b + 4 <= b1; b += 4)
-            row_blocks512(WEIGHT_Q4_1, 4, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
-        for (; b < b1; b++)
-            row_blocks512(WEIGHT_Q4_1, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
-    } else {
-        for (; b + 4 <= b1; b += 4)
-            row_blocks512(WEIGHT_Q8_0, 4, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
-        for (; b < b1; b++)
-            row_blocks512(WEIGHT_Q8_0, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
-    }
+    if (format == WEIGHT_Q4_1)
+        row_span512(WEIGHT_Q4_1, x, data, stride, k, y, n, b0, b1, act);
+    else
+        row_span512(WEIGHT_Q8_0, x, data, stride, k, y, n, b0, b1, act);
 }
 
 #define BUFFERED 2   /* column blocks dequantized at a time for more than one row: the AVX-512 tiles' pair */
@@ -249,25 +245,6 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
     case WEIGHT_Q4_1: quant_blocks(WEIGHT_Q4_1, x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
     case WEIGHT_Q8_0: quant_blocks(WEIGHT_Q8_0, x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
     default: rowdot_blocks(x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
-    }
-}
-
-/* rowdot() for a weight in any format: y[m][n] = x[m][k] @ w.T (silu where `act`) on `threads` threads, each a
- * contiguous share of the column blocks */
-void rowquant(const float *x, int64_t ldx, const void *data, int64_t format, int64_t k, float *y, int64_t ldy,
-              int64_t n, int64_t m, int threads, int act) {
-    packed_weight w = {data, format};
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    if (threads <= 1 || blocks < 8) {
-        weight_blocks(x, ldx, &w, k, y, ldy, n, m, 0, blocks, act);
-        return;
-    }
-    #pragma omp parallel num_threads(threads)
-    {
-        int64_t c0, c1;
-        rows_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
-        if (c0 < c1)
-            weight_blocks(x, ldx, &w, k, y, ldy, n, m, c0, c1, act);
     }
 }
 

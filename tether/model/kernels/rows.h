@@ -3,9 +3,39 @@
  * bits independent of the micro-batch and the threads. */
 #ifndef TETHER_ROWS_H
 #define TETHER_ROWS_H
+#include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "vecmath.h"
 
 #define BLOCK 16   /* output columns per packed weight block (rowdot.c's layout, and rowquant.c's) */
+
+/* Functions in AVX-512 beside the AVX2 build: called only where kernels_isa() says the CPU runs them */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+/* a row's 16 outputs of one column block (silu of them where `act`) into y[col:], the columns before n */
+static inline void store_cols(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi, int act) {
+    if (act) {
+        lo = silu8(lo);
+        hi = silu8(hi);
+    }
+    if (col + BLOCK <= n) {
+        _mm256_storeu_ps(y + col, lo);
+        _mm256_storeu_ps(y + col + 8, hi);
+    } else {   /* the last, partial block of columns */
+        float tmp[BLOCK];
+        _mm256_storeu_ps(tmp, lo);
+        _mm256_storeu_ps(tmp + 8, hi);
+        memcpy(y + col, tmp, (size_t)(n - col) * sizeof(float));
+    }
+}
+
+/* the same for a block's 16 outputs in one AVX-512 register */
+static inline AVX512 __attribute__((always_inline)) void
+store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
+    store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
+}
 
 /* A projection's weight as the kernels read it: rowdot's fp32 blocks, or rowquant.c's blocks of a GGUF file's
  * Q4_1 / Q8_0 groups, whose fp32 values the kernel rebuilds exactly as the conversion did (tether/model/rowquant.py). */

@@ -3,8 +3,6 @@
 #ifndef TETHER_VECMATH_H
 #define TETHER_VECMATH_H
 #include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
 
 /* exp(x), Cephes' polynomial (within 2 ulp of expf), inputs clamped to [-87, 88]: below -87 gives exp(-87), a
  * normal float, as the tiles clamp. */
@@ -38,23 +36,6 @@ static inline float hsum(__m256 v) {
 static inline __m256 silu8(__m256 x) {
     __m256 one = _mm256_set1_ps(1.0f);
     return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-/* a row's 16 outputs of one column block (silu of them where `act`) into y[col:], the columns before n */
-static inline void store_cols(float *y, int64_t col, int64_t n, __m256 lo, __m256 hi, int act) {
-    if (act) {
-        lo = silu8(lo);
-        hi = silu8(hi);
-    }
-    if (col + 16 <= n) {
-        _mm256_storeu_ps(y + col, lo);
-        _mm256_storeu_ps(y + col + 8, hi);
-    } else {   /* the last, partial block of columns */
-        float tmp[16];
-        _mm256_storeu_ps(tmp, lo);
-        _mm256_storeu_ps(tmp + 8, hi);
-        memcpy(y + col, tmp, (size_t)(n - col) * sizeof(float));
-    }
 }
 
 #endif
