@@ -182,6 +182,9 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--stage-threads", type=int, default=None,
                    help="threads per stage (default: cores divided among the stages, as `tether up`)")
+    p.add_argument("--linear-inputs", default="float32", choices=("float32", "q8"),
+                   help="tether's stages' --linear-inputs: q8 computes the GGUF's Q4_1 groups as llama.cpp does "
+                        "(8-bit inputs, integer dot products) (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per side and concurrency")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -226,14 +229,17 @@ def main() -> None:
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
         logs = Path(tmp)
-        cluster = LocalCluster(model=smollm2.NAME, stages=args.stages, threads=stage_threads, log_dir=logs / "tether")
+        extra = {"stage": ["--linear-inputs", args.linear_inputs]} if args.linear_inputs != "float32" else {}
+        cluster = LocalCluster(model=smollm2.NAME, stages=args.stages, threads=stage_threads, log_dir=logs / "tether",
+                               extra=extra)
         print(f"starting tether: {args.stages} stages x {stage_threads} thread(s) (logs {logs / 'tether'}) ...",
               file=sys.stderr, flush=True)
         try:
             cluster.start(timeout=600)
             tether_url = cluster.base_url
             assert tether_url, "the cluster serves no HTTP API"
-            meta["tether_kernels"] = tether_kernels(stage_threads)
+            meta["tether_kernels"] = tether_kernels(stage_threads) + \
+                (f"; linear inputs {args.linear_inputs}" if args.linear_inputs != "float32" else "")
             print(f"tether kernels: {meta['tether_kernels']}", flush=True)
             meta["system_info"] = llama_server.probe_system_info(binary, gguf, threads, logs / "llama-probe.log")
             print(f"llama-server system_info: {meta['system_info']}", flush=True)

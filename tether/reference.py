@@ -48,12 +48,12 @@ class LoadedModel:
 
 
 @functools.lru_cache(maxsize=4)
-def load(model: str = "tiny", dtype: str = settings.DTYPE) -> LoadedModel:
-    """The whole model in `dtype`; "auto" makes the stages' choice (tether/model/numerics.py), so a served
-    answer is compared with the reference in the numerics it was computed in."""
+def load(model: str = "tiny", dtype: str = settings.DTYPE, inputs: str = settings.LINEAR_INPUTS) -> LoadedModel:
+    """The whole model in `dtype` and linear `inputs`; "auto" makes the stages' choice (tether/model/numerics.py),
+    so a served answer is compared with the reference in the numerics it was computed in."""
     folder = resolve_model(model)
-    return LoadedModel(folder, load_slice(folder, dtype=dtype), load_model_tokenizer(folder), model_fingerprint(folder),
-                       load_chat_template(folder))
+    return LoadedModel(folder, load_slice(folder, dtype=dtype, inputs=inputs), load_model_tokenizer(folder),
+                       model_fingerprint(folder), load_chat_template(folder))
 
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,

@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype; auto: float32 on our own C kernels where this machine builds them (the "
                         "model's GGUF groups read where its folder keeps them), else bfloat16 where this CPU runs "
                         "it natively and invariantly, else float32 padded (default: %(default)s)")
+    p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
+                   help="what float32 linears multiply: their inputs as they are, or q8: rounded to 8 bits per group "
+                        "of 32 against the model's GGUF Q4_1 groups in integers, as llama.cpp computes them (~2.5x "
+                        "faster linears on AVX-512 VNNI; answers differ from float32's by that rounding, still the "
+                        "same whatever the batch). Every stage of a pipeline must say the same (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--alone-threads", type=int, default=0, metavar="N",
                    help="threads a step may take when its frame is the only micro-batch in the pipeline (the "
@@ -89,7 +94,9 @@ def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> Stage
     # count, so a probe on `threads` alone would leave `alone` threads unchecked (a Xeon caps smollm2 at 1).
     torch.set_num_threads(max(threads, alone))
     try:
-        model = load_slice(folder, start, end, args.dtype)
+        model = load_slice(folder, start, end, args.dtype, args.linear_inputs)
+    except ValueError as e:   # e.g. q8 inputs where this machine does not serve float32 on rowdot
+        raise SystemExit(f"stage: {e}") from None
     finally:
         torch.set_num_threads(threads)
     kv_capacity = args.kv_capacity or model.kv_positions_for(args.kv_memory_mib)

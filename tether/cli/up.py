@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether import settings
+from tether.model import dtypes
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tether.cli.cluster import LocalCluster
 from tether.cli.supervisor import GaveUp, RestartPolicy, RollingRestart, Supervisor
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per stage (default: the machine's cores divided among all stages)")
+    p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
+                   help="what the stages' float32 linears multiply: their inputs as they are, or q8: rounded to 8 "
+                        "bits per group against the model's GGUF Q4_1 groups, as llama.cpp computes (faster; other "
+                        "answers than float32's) (default: %(default)s)")
     p.add_argument("--demo", action="store_true", help="once up, send a few prompts and print the answers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to come up")
     p.add_argument("--max-restarts", type=int, default=settings.SUPERVISE_MAX_RESTARTS, metavar="N",
@@ -138,8 +143,11 @@ def log_format_extra(fmt: str) -> dict[str, list[str]]:
 
 
 def service_extra(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The flags `tether up` adds to the services' commands: --log-format, admission's --tenants."""
+    """The flags `tether up` adds to the services' commands: --log-format, the stages' --linear-inputs,
+    admission's --tenants."""
     extra = log_format_extra(args.log_format)
+    if args.linear_inputs != settings.LINEAR_INPUTS:
+        extra["stage"] = extra.get("stage", []) + ["--linear-inputs", args.linear_inputs]
     if args.tenants is not None:
         if not args.tenants.is_file():
             raise SystemExit(f"tether up: --tenants {args.tenants}: no such file")

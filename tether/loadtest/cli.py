@@ -25,6 +25,7 @@ from tether.loadtest.runner import Bench
 from tether.loadtest.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
 from tether.cli.cluster import LocalCluster
 from tether.client import AsyncClient
+from tether.model import dtypes
 
 EPILOG = """examples:
   tether bench --spawn --sweep 1,2,4 --num-requests 32 --audit --out bench-out
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tiny, small, base: kernel benchmarks) or a Hugging Face folder. The "
                         "bench tokenizes with it, audits and runs baselines on it, and checks it against the "
                         "fingerprint in the answers' receipts (default: %(default)s)")
+    g.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
+                   help="what the cluster's float32 linears multiply (the stages' --linear-inputs): the spawned "
+                        "stages get it, and the audit and baselines compute in it (default: %(default)s)")
     g.add_argument("--stages", type=positive_int, default=2,
                    help="stage workers: with --spawn, how many to start (layers split evenly); against --target, "
                         "how many the running cluster has (recorded in the report) (default: %(default)s)")
@@ -360,6 +364,8 @@ def cluster_extra(args: argparse.Namespace, prefix_cache: bool) -> dict[str, lis
     extra: dict[str, list[str]] = {}
     if args.stage_kv_tokens is not None:
         extra["stage"] = [STAGE_KV_FLAG, str(args.stage_kv_tokens)]
+    if args.linear_inputs != settings.LINEAR_INPUTS:
+        extra["stage"] = extra.get("stage", []) + ["--linear-inputs", args.linear_inputs]
     if not prefix_cache:
         extra["coordinator"] = [NO_PREFIX_CACHE]
     if args.route_policy:
@@ -535,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     if target_chaos:
         args.audit = True     # wrong answers are what the audit finds
     try:
-        lm = reference.load(args.model)
+        lm = reference.load(args.model, inputs=args.linear_inputs)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"tether bench: {e}") from None
     workload = workload_of(args, lm)

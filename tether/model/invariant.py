@@ -68,6 +68,9 @@ class RowRule:
     # How a layer runs: "modules" (torch's modules above, op by op, on the kernels named here) or "rowlayer"
     # (tether/model/rowlayer.py: a step's layers in one C call, on rowdot and rowattn; its own norm and RoPE).
     layers: str = "modules"
+    # What a linear multiplies: "float32" (its inputs as they are) or "q8" (tether/model/rowq8.py: inputs rounded
+    # to 8 bits per group against a GGUF file's Q4_1 groups, llama.cpp's arithmetic; asked for, never probed).
+    inputs: str = "float32"
 
     def __post_init__(self) -> None:   # a rule read back from JSON has lists: one spelling, one str()
         object.__setattr__(self, "linear_floors", tuple(sorted(tuple(f) for f in self.linear_floors)))
@@ -104,6 +107,8 @@ class RowRule:
             rows += f", {self.attention} attention"
         if self.layers != "modules":
             rows += f", {self.layers} layers"
+        if self.inputs != "float32":
+            rows += f", {self.inputs} linear inputs"
         return rows if self.threads is None else f"{rows}, at most {self.threads} thread(s)"
 
 

@@ -10,6 +10,7 @@ measures this against are tether/model/plain.py, which serving never imports.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from torch import nn
 from tether import settings
 from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
-from tether.model import rowlayer, rowquant
+from tether.model import dtypes, rowlayer, rowq8, rowquant
 from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
 from tether.model.numerics import row_rule
 from tether.model.rowattn import RowAttentionPlan
@@ -58,17 +59,23 @@ class Linear(nn.Linear):
     # The GGUF file's own groups this weight was rebuilt from, where the loader found them: rowdot then reads
     # those (tether/model/rowquant.py), after checking that they rebuild the weight bit for bit.
     blocks: rowquant.Blocks | None = None
+    # "q8": rowdot reads Q4_1 groups with its inputs rounded to 8 bits (tether/model/rowq8.py; RowRule.inputs).
+    inputs = "float32"
 
     def prepared_weight(self) -> Any:
         """The weight as the kernel reads it (a tensor, oneDNN's packed tensor, rowdot's PackedWeight)."""
         w = self.weight
         version = -1 if w.is_inference() else w._version
         p = self._prepared
-        if p is None or p[0] != self.kernel or p[1] is not w or p[2] != version:
+        how = f"{self.kernel}:{self.inputs}"
+        if p is None or p[0] != how or p[1] is not w or p[2] != version:
             made = None
             if self.kernel == "rowdot" and self.blocks is not None:
+                # the blocks serve only where they rebuild this very weight bit for bit (q8 reads them too)
                 made = rowquant.prepare(w.detach(), self.blocks)
-            p = self._prepared = (self.kernel, w, version, made or KERNELS[self.kernel].prepare(w.detach()))
+                if made is not None and self.inputs == "q8" and self.blocks.kind == "q4_1":
+                    made = rowq8.pack(self.blocks, self.out_features, self.in_features)
+            p = self._prepared = (how, w, version, made or KERNELS[self.kernel].prepare(w.detach()))
         return p[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +214,21 @@ class ModelSlice(nn.Module):
             if isinstance(m, Linear):
                 m.kernel = kernel
                 m.floor = rule.linear_floor(m.in_features, m.out_features) if rule is not None else 1
+
+    def use_inputs(self, inputs: str) -> None:
+        """Multiply every linear's inputs as `inputs` says (dtypes.LINEAR_INPUTS): "q8" needs float32 on rowdot
+        (the GGUF groups are read there) and changes the numerics, which the rule (and so the handshake and
+        every receipt's fingerprint) names."""
+        if inputs not in dtypes.LINEAR_INPUTS:
+            raise ValueError(f"linear inputs must be one of {', '.join(dtypes.LINEAR_INPUTS)}; got {inputs!r}")
+        if inputs != "float32" and (self.dtype != torch.float32 or self.rows.linear != "rowdot"):
+            raise ValueError(f"{inputs} linear inputs need float32 on our rowdot kernel; this machine serves "
+                             f"{self.dtype} on {self.rows}")
+        self.rows = dataclasses.replace(self.rows, inputs=inputs)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.inputs = inputs
+        self._stack = None
 
     @property
     def num_layers(self) -> int:

@@ -37,12 +37,12 @@ def _slice_key(name: str, start: int, end: int, cfg: ModelConfig) -> str | None:
 
 
 def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None = None,
-               dtype: str = "float32") -> ModelSlice:
+               dtype: str = "float32", inputs: str = "float32") -> ModelSlice:
     """Load layers [layer_start, layer_end) (all by default) reading only the tensors the slice needs, in
     `dtype` ("auto": as tether/model/numerics.py chooses for this machine; the slice's `dtype` says which).
     The services and the reference default to settings.DTYPE; this library call says float32 unless told.
     In float32, a linear whose GGUF groups the folder keeps (tether/model/rowquant.py) gets them, for rowdot to
-    read."""
+    read; with `inputs` "q8" the Q4_1 ones are read with 8-bit inputs (ModelSlice.use_inputs, tether/model/rowq8.py)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     end = cfg.num_hidden_layers if layer_end is None else layer_end
@@ -76,4 +76,6 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
     for name, module in model.named_modules():
         if isinstance(module, Linear) and f"{name}.weight" in blocks:
             module.blocks = blocks[f"{name}.weight"]
+    if inputs != "float32":
+        model.use_inputs(inputs)
     return model

@@ -25,7 +25,8 @@ from tether import settings
 from tether.model.presets import tether_home
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowdot512.c", KERNELS / "rowquant.c", KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
+SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowdot512.c", KERNELS / "rowquant.c", KERNELS / "rowq8.c",
+           KERNELS / "rowattn.c", KERNELS / "rowlayer.c")
 HEADERS = (KERNELS / "vecmath.h", KERNELS / "rows.h")   # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma", "f16c"})   # /proc/cpuinfo flags the built code runs on
@@ -80,6 +81,12 @@ def library() -> ctypes.CDLL:
     lib.rowquant_pack.restype = None
     lib.rowquant_dequant.argtypes = [ptr, i64, i64, i64, ptr]
     lib.rowquant_dequant.restype = None
+    lib.rowq8_bytes.argtypes = [i64, i64]
+    lib.rowq8_bytes.restype = i64
+    lib.rowq8_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.rowq8_pack.restype = None
+    lib.rowq8_isa.argtypes = []
+    lib.rowq8_isa.restype = i32
     lib.kernels_isa.argtypes = [i32]
     lib.kernels_isa.restype = i32
     lib.rowattn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i32]
