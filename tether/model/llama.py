@@ -73,7 +73,7 @@ class Linear(nn.Linear):
             if self.kernel == "rowdot" and self.blocks is not None:
                 # the blocks serve only where they rebuild this very weight bit for bit (q8 reads them too)
                 made = rowquant.prepare(w.detach(), self.blocks)
-                if made is not None and self.inputs == "q8" and self.blocks.kind == "q4_1":
+                if made is not None and self.inputs == "q8":
                     made = rowq8.pack(self.blocks, self.out_features, self.in_features)
             p = self._prepared = (how, w, version, made or KERNELS[self.kernel].prepare(w.detach()))
         return p[3]

@@ -81,9 +81,9 @@ def library() -> ctypes.CDLL:
     lib.rowquant_pack.restype = None
     lib.rowquant_dequant.argtypes = [ptr, i64, i64, i64, ptr]
     lib.rowquant_dequant.restype = None
-    lib.rowq8_bytes.argtypes = [i64, i64]
+    lib.rowq8_bytes.argtypes = [i64, i64, i64]
     lib.rowq8_bytes.restype = i64
-    lib.rowq8_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.rowq8_pack.argtypes = [ptr, i64, i64, i64, ptr]
     lib.rowq8_pack.restype = None
     lib.rowq8_isa.argtypes = []
     lib.rowq8_isa.restype = i32

@@ -1,6 +1,6 @@
-"""rowdot on a GGUF file's Q4_1 groups with llama.cpp's arithmetic (kernels/rowq8.c): each row's inputs rounded
-to 8 bits per group of 32, integer dot products against the file's 4-bit weights (AVX-512 VNNI where the CPU
-has it, AVX2 otherwise: the same integers), the groups combined in float32 in one fixed chain per output.
+"""rowdot on a GGUF file's Q4_1 and Q8_0 groups with llama.cpp's arithmetic (kernels/rowq8.c): each row's inputs
+rounded to 8 bits per group of 32, integer dot products against the file's 4- or 8-bit weights (AVX-512 VNNI where
+the CPU has it, AVX2 otherwise: the same integers), the groups combined in float32 in one fixed chain per output.
 
 Why: float32 on the same groups (tether/model/rowquant.py) rebuilds every weight and multiplies in fp32, 16
 products an instruction; the integer path makes 64 an instruction from the 4-bit weights directly. The price is
@@ -13,25 +13,26 @@ from __future__ import annotations
 
 import torch
 
-from tether.mathutil import ceil_div
 from tether.model import native, rowdot, rowquant
 
-FORMAT = 3          # kernels/rows.h's WEIGHT_Q4_1_Q8
 GROUP = rowquant.GROUP
+# kind -> (kernels/rows.h's WEIGHT_*_Q8 format, bytes of one GGUF block)
+FORMATS = {"q4_1": (3, 20), "q8_0": (4, 34)}
 
 
 def pack(blocks: rowquant.Blocks, out_features: int, in_features: int) -> rowdot.PackedWeight:
-    """A Q4_1 weight's GGUF blocks [out, in / 32 * 20] in rowq8's layout."""
-    if blocks.kind != "q4_1":
-        raise ValueError(f"rowq8 reads Q4_1 groups, not {blocks.kind}")
+    """A weight's GGUF blocks [out, in / 32 * block bytes] in rowq8's layout."""
+    if blocks.kind not in FORMATS:
+        raise ValueError(f"rowq8 reads Q4_1 and Q8_0 groups, not {blocks.kind}")
+    fmt, block_bytes = FORMATS[blocks.kind]
     n, k = out_features, in_features
     src = blocks.data.contiguous()
-    if k % GROUP or tuple(src.shape) != (n, k // GROUP * 20) or src.dtype != torch.uint8:
-        raise ValueError(f"rowq8: Q4_1 blocks {tuple(src.shape)} do not fit a [{n}, {k}] weight")
+    if k % GROUP or tuple(src.shape) != (n, k // GROUP * block_bytes) or src.dtype != torch.uint8:
+        raise ValueError(f"rowq8: {blocks.kind} blocks {tuple(src.shape)} do not fit a [{n}, {k}] weight")
     lib = native.library()
-    packed = torch.empty(lib.rowq8_bytes(n, k), dtype=torch.uint8)
-    lib.rowq8_pack(src.data_ptr(), n, k, packed.data_ptr())
-    return rowdot.PackedWeight(packed, n, k, FORMAT)
+    packed = torch.empty(lib.rowq8_bytes(n, k, fmt), dtype=torch.uint8)
+    lib.rowq8_pack(src.data_ptr(), n, k, fmt, packed.data_ptr())
+    return rowdot.PackedWeight(packed, n, k, fmt)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,21 +50,22 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def reference(x: torch.Tensor, blocks: rowquant.Blocks) -> torch.Tensor:
     """x [m, k] @ w.T as rowq8 computes it, in torch ops, for the tests: the same roundings in the same order."""
     m, k = x.shape
-    raw = blocks.data.reshape(blocks.data.shape[0], k // GROUP, 20)
+    q4 = blocks.kind == "q4_1"
+    raw = blocks.data.reshape(blocks.data.shape[0], k // GROUP, FORMATS[blocks.kind][1])
     n, groups = raw.shape[0], raw.shape[1]
     dw = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()     # [n, groups]
-    mw = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    nib = raw[..., 4:].to(torch.int32)
-    qw = torch.cat([nib & 15, nib >> 4], dim=-1)                                 # [n, groups, 32]
+    if q4:
+        mw = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        nib = raw[..., 4:].to(torch.int32)
+        qw = torch.cat([nib & 15, nib >> 4], dim=-1)                             # [n, groups, 32]
+    else:
+        qw = raw[..., 2:].contiguous().view(torch.int8).to(torch.int32)
     qx, dx, sx = quantize(x)
     qx = qx.reshape(m, groups, GROUP)
     acc = torch.zeros(m, n, dtype=torch.float32)
     for g in range(groups):
         isum = (qx[:, g, :].to(torch.int64) @ qw[:, g, :].to(torch.int64).T).to(torch.float32)   # exact
         acc = acc + (dw[None, :, g] * dx[:, g, None]) * isum
-        acc = acc + mw[None, :, g] * sx[:, g, None]
+        if q4:
+            acc = acc + mw[None, :, g] * sx[:, g, None]
     return acc
-
-
-def bytes_for(out_features: int, in_features: int) -> int:
-    return ceil_div(out_features, rowdot.BLOCK) * (in_features // GROUP) * 320

@@ -23,11 +23,14 @@ pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"our ker
 SHAPES = [(576, 576), (192, 576), (576, 1536), (40, 64), (17, 32), (200, 96)]
 
 
-def file_blocks(out: int, inner: int, seed: int) -> tuple[torch.Tensor, rowquant.Blocks]:
+TYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def file_blocks(out: int, inner: int, seed: int, kind: str = "q4_1") -> tuple[torch.Tensor, rowquant.Blocks]:
     w = np.random.default_rng(seed).standard_normal((out, inner)).astype(np.float32)
-    blocks = quantize(w, GGMLQuantizationType.Q4_1)
-    fp32 = np.array(dequantize(blocks, GGMLQuantizationType.Q4_1), dtype=np.float32).reshape(out, inner)
-    return torch.from_numpy(fp32), rowquant.Blocks("q4_1", torch.from_numpy(np.ascontiguousarray(blocks)))
+    blocks = quantize(w, TYPES[kind])
+    fp32 = np.array(dequantize(blocks, TYPES[kind]), dtype=np.float32).reshape(out, inner)
+    return torch.from_numpy(fp32), rowquant.Blocks(kind, torch.from_numpy(np.ascontiguousarray(blocks)))
 
 
 def isas() -> list[int]:
@@ -36,16 +39,18 @@ def isas() -> list[int]:
     return [0, 1] if lib.kernels_isa(1) and lib.rowq8_isa() else [0]
 
 
+@pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("out, inner", SHAPES)
-def test_rows_equal_the_reference_arithmetic_bit_for_bit(out, inner):
+def test_rows_equal_the_reference_arithmetic_bit_for_bit(kind, out, inner):
     """Every window of m rows (1, the one-row and two-row tiles, past an 8-row tile) on 1 and 2 threads, in AVX2
     and (where the CPU has it) AVX-512 VNNI: exactly rowq8.reference's floats, so no row depends on its
     neighbours, the threads or the instruction set."""
-    _, blocks = file_blocks(out, inner, out * 5 + inner)
+    _, blocks = file_blocks(out, inner, out * 5 + inner, kind)
     packed = rowq8.pack(blocks, out, inner)
-    assert packed.format == rowq8.FORMAT
+    assert packed.format == rowq8.FORMATS[kind][0]
     x = torch.randn(70, inner, generator=torch.Generator().manual_seed(out)) * 3
     x[5, : inner // 2] = 0   # a group of zeros: scale 0, no division by it
+    x[6, :32] = -x[6, :32].abs()   # a group all negative: sum(qx) far from 0 (Q8_0's 128 * sum taken back)
     want = rowq8.reference(x, blocks)
     lib, before = native.library(), torch.get_num_threads()
     try:
@@ -60,8 +65,9 @@ def test_rows_equal_the_reference_arithmetic_bit_for_bit(out, inner):
         torch.set_num_threads(before)
 
 
-def test_silu_rows_are_the_same_on_every_path():
-    _, blocks = file_blocks(200, 576, 3)
+@pytest.mark.parametrize("kind", TYPES)
+def test_silu_rows_are_the_same_on_every_path(kind):
+    _, blocks = file_blocks(200, 576, 3, kind)
     packed = rowq8.pack(blocks, 200, 576)
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(2))
     lib = native.library()
@@ -77,9 +83,10 @@ def test_silu_rows_are_the_same_on_every_path():
     assert torch.allclose(outs[0], torch.nn.functional.silu(rowq8.reference(x, blocks)), rtol=1e-5, atol=1e-6)
 
 
-def test_close_to_float32_on_the_same_weight():
+@pytest.mark.parametrize("kind", TYPES)
+def test_close_to_float32_on_the_same_weight(kind):
     """The rounding of the inputs is the only difference from float32 on the converted weight: ~0.5% here."""
-    weight, blocks = file_blocks(576, 1536, 1)
+    weight, blocks = file_blocks(576, 1536, 1, kind)
     x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(4))
     exact = x @ weight.T
     got = rowdot.linear(x, rowq8.pack(blocks, 576, 1536))
@@ -95,12 +102,14 @@ def test_quantize_rounds_half_to_even_and_keeps_zero_groups():
     assert float(d[0, 1]) == 0 and float(s[0, 1]) == 0
 
 
-def test_only_q4_1_blocks_of_the_right_shape():
+def test_only_known_blocks_of_the_right_shape():
     _, blocks = file_blocks(40, 64, 0)
     with pytest.raises(ValueError):
         rowq8.pack(blocks, 40, 96)
     with pytest.raises(ValueError):
-        rowq8.pack(rowquant.Blocks("q8_0", blocks.data), 40, 64)
+        rowq8.pack(rowquant.Blocks("q8_0", blocks.data), 40, 64)   # 20-byte blocks are not Q8_0's 34
+    with pytest.raises(ValueError):
+        rowq8.pack(rowquant.Blocks("q5_k", blocks.data), 40, 64)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +120,7 @@ def folder():
 def test_smollm2_q8_is_its_own_numerics_and_batch_invariant(folder):
     """The default model with q8 inputs: the rule and the served fingerprint say so; a request's logits do not
     change by a bit with its neighbours, its prompt chunking or the pipeline split; and they are q8's, not
-    float32's (every Q4_1 projection reads its groups)."""
+    float32's (every projection and the tied head read their groups)."""
     full = load_slice(folder, inputs="q8")
     if full.rows.linear != "rowdot":
         pytest.skip(f"this machine serves {full.rows}: q8 needs rowdot")

@@ -1,11 +1,12 @@
-/* Linears the way llama.cpp computes a GGUF file's Q4_1 weights: a row's inputs rounded to 8 bits per group of 32,
- * multiplied with the file's own 4-bit groups in integers, the groups' integer sums combined in float32.
+/* Linears the way llama.cpp computes a GGUF file's Q4_1 and Q8_0 weights: a row's inputs rounded to 8 bits per
+ * group of 32, multiplied with the file's own 4- or 8-bit groups in integers, the groups' integer sums combined in
+ * float32.
  *
  * For each row and group g of 32 inputs:  dx = max|x| / 127,  qx = round-half-even(x * (1 / dx)) (0 where dx is 0),
  * sx = dx * sum(qx). For output j, with the file's group scale dw, minimum mw and 4-bit q (w = dw * q + mw):
  *   isum_g = sum_i q[i] * qx[i]                               an integer: exact in any order
  *   acc = 0;  for g = 0, 1, ...:  acc = acc + (dw_g * dx_g) * isum_g;  acc = acc + mw_g * sx_g
- * each product and sum rounded once, in that order (no FMA). A row's bits depend only on its own inputs: batch-
+ * (Q8_0: w = dw * q, q int8, and no mw term), each product and sum rounded once, in that order (no FMA). A row's bits depend only on its own inputs: batch-
  * invariant by construction, and the same on AVX2 and AVX-512 VNNI (the integer sums are exact either way, the
  * float chain is the same operations lane by lane). Not rowdot's bits: the inputs are rounded to 8 bits, so this
  * is a numerics of its own ("q8" in tether/model/rowq8.py), never mixed with float32's.
@@ -14,6 +15,8 @@
  *   d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk t, bytes 4c..4c+3 hold column c's q[4t + b] in their
  *   low nibbles and q[16 + 4t + b] in their high ones (b = 0..3): the GGUF block's own bytes 4t..4t+3 of that
  *   column, so one AND / shift gives 16 columns x 4 inputs, a VNNI dot product's operand.
+ * Q8_0, 544 bytes a group: d[16] fp16, then 8 chunks of 64 bytes, bytes 4c..4c+3 of chunk t column c's q[4t + b]
+ *   + 128 (unsigned: a VNNI operand; the integer sum takes 128 * sum(qx) back off, exactly).
  * Columns past N have d = m = 0 (outputs +0, as rowdot's padding).
  *
  * Built with the other kernels' flags (-mavx2 -mfma -mf16c -ffp-contract=off); the AVX-512 functions carry
@@ -28,30 +31,40 @@
 #include "rows.h"
 
 #define GROUP 32
-#define RECORD 320      /* bytes of one column block's group */
+#define Q4 WEIGHT_Q4_1_Q8
+#define Q8 WEIGHT_Q8_0_Q8
+#define RECORD(F) ((F) == Q4 ? 320 : 544)   /* bytes of one column block's group */
 #define MAX_ROWS 8      /* rows an AVX-512 tile (32 registers) */
 #define MAX_ROWS2 4     /* rows an AVX2 tile (16 registers) */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-int64_t rowq8_bytes(int64_t n, int64_t k) {
-    return (n + BLOCK - 1) / BLOCK * (k / GROUP) * RECORD;
+int64_t rowq8_bytes(int64_t n, int64_t k, int64_t format) {
+    return (n + BLOCK - 1) / BLOCK * (k / GROUP) * RECORD(format);
 }
 
-/* A GGUF Q4_1 tensor's blocks (row-major [n][k / 32] blocks of 20 bytes: d, m fp16, then 16 bytes holding input i
- * in the low nibble of byte i and input i + 16 in its high one) in the layout above. */
-void rowq8_pack(const uint8_t *src, int64_t n, int64_t k, uint8_t *out) {
-    int64_t groups = k / GROUP;
-    memset(out, 0, (size_t)rowq8_bytes(n, k));
+/* A GGUF tensor's blocks (row-major [n][k / 32] blocks; Q4_1, 20 bytes: d, m fp16, then 16 bytes holding input i
+ * in the low nibble of byte i and input i + 16 in its high one; Q8_0, 34 bytes: d fp16, 32 int8) in the layout
+ * above. */
+void rowq8_pack(const uint8_t *src, int64_t n, int64_t k, int64_t format, uint8_t *out) {
+    int64_t groups = k / GROUP, rec = RECORD(format);
+    memset(out, 0, (size_t)rowq8_bytes(n, k, format));
     for (int64_t j = 0; j < n; j++) {
         int64_t c = j % BLOCK;
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b = src + (j * groups + g) * 20;
-            uint8_t *r = out + ((j / BLOCK) * groups + g) * RECORD;
-            memcpy(r + 2 * c, b, 2);
-            memcpy(r + 32 + 2 * c, b + 2, 2);
-            for (int t = 0; t < 4; t++)
-                memcpy(r + 64 + 64 * t + 4 * c, b + 4 + 4 * t, 4);
+            uint8_t *r = out + ((j / BLOCK) * groups + g) * rec;
+            if (format == Q4) {
+                const uint8_t *b = src + (j * groups + g) * 20;
+                memcpy(r + 2 * c, b, 2);
+                memcpy(r + 32 + 2 * c, b + 2, 2);
+                for (int t = 0; t < 4; t++)
+                    memcpy(r + 64 + 64 * t + 4 * c, b + 4 + 4 * t, 4);
+            } else {
+                const uint8_t *b = src + (j * groups + g) * 34;
+                memcpy(r + 2 * c, b, 2);
+                for (int i = 0; i < GROUP; i++)
+                    r[32 + 64 * (i / 4) + 4 * c + i % 4] = (uint8_t)(b[2 + i] ^ 0x80);
+            }
         }
     }
 }
@@ -60,6 +73,7 @@ void rowq8_pack(const uint8_t *src, int64_t n, int64_t k, uint8_t *out) {
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *sum;   /* sum(qx) per group (Q8_0's unsigned operand takes 128 of them back) */
 } qrows;
 
 static int32_t hsum_i32(__m256i v) {
@@ -70,7 +84,7 @@ static int32_t hsum_i32(__m256i v) {
 
 /* one row's group of 32 inputs; the same instructions on every machine (AVX2 float ops are IEEE, the
  * conversion rounds half to even under the default MXCSR) */
-static void quantize_group(const float *x, int8_t *q, float *d, float *s) {
+static void quantize_group(const float *x, int8_t *q, float *d, float *s, int32_t *sum_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], a = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -93,8 +107,10 @@ static void quantize_group(const float *x, int8_t *q, float *d, float *s) {
     __m256i p = _mm256_packs_epi16(p01, p23);
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, p);
+    int32_t total = hsum_i32(sum);
     *d = dx;
-    *s = dx * (float)hsum_i32(sum);
+    *s = dx * (float)total;
+    *sum_out = total;
 }
 
 static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, qrows *out) {
@@ -102,55 +118,85 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, qro
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++)
             quantize_group(x + r * ldx + g * GROUP, out->q + r * k + g * GROUP, out->d + r * groups + g,
-                           out->s + r * groups + g);
+                           out->s + r * groups + g, out->sum + r * groups + g);
 }
 
 /* ------------------------------------------------------------------------------------------------ AVX2 */
 
-/* u8 x s8, 4 adjacent pairs summed into each int32 lane: exact here (q <= 15, |qx| <= 127: no int16 saturation) */
+/* u8 x s8, 4 adjacent pairs summed into each int32 lane, exact where no pair passes int16 (checked per format) */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-/* R rows (<= MAX_ROWS2) against one column block */
+/* a chunk's 8 columns x 4 inputs times x's 4 inputs xq, into acc. Q4_1 (u8 <= 15, |qx| <= 127): at most 3,810 a
+ * pair. Q8_0: the stored q + 128 back to q, then |q| (<= 128) times qx with q's sign: at most 32,512 a pair. */
+static inline __attribute__((always_inline)) __m256i
+chunk_dot2(const int64_t F, __m256i acc, __m256i w, __m256i xq) {
+    if (F == Q4)
+        return dot4(acc, w, xq);
+    __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return dot4(acc, _mm256_abs_epi8(q), _mm256_sign_epi8(xq, q));
+}
+
+static inline int32_t x4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return v;
+}
+
+/* R rows (<= MAX_ROWS2) against one column block: 16 columns as two halves of 8 */
 static inline __attribute__((always_inline)) void
-tile2(const int R, const qrows *x, int64_t k, const uint8_t *wb, float *y, int64_t ldy, int64_t col, int64_t n,
-      int act) {
+tile2(const int64_t F, const int R, const qrows *x, int64_t k, const uint8_t *wb, float *y, int64_t ldy,
+      int64_t col, int64_t n, int act) {
     int64_t groups = k / GROUP;
     const __m256i low = _mm256_set1_epi8(15);
     __m256 lo[MAX_ROWS2], hi[MAX_ROWS2];
     for (int r = 0; r < R; r++)
         lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *rec = wb + g * RECORD;
+        const uint8_t *rec = wb + g * RECORD(F), *qs = rec + (F == Q4 ? 64 : 32);
         __m256i ilo[MAX_ROWS2], ihi[MAX_ROWS2];
         for (int r = 0; r < R; r++)
             ilo[r] = ihi[r] = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) {
-            __m256i v0 = _mm256_loadu_si256((const __m256i *)(rec + 64 + 64 * t));
-            __m256i v1 = _mm256_loadu_si256((const __m256i *)(rec + 96 + 64 * t));
-            __m256i a0 = _mm256_and_si256(v0, low), b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-            __m256i a1 = _mm256_and_si256(v1, low), b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            for (int r = 0; r < R; r++) {
-                const int8_t *q = x->q + r * k + g * GROUP;
-                int32_t xa, xb;
-                memcpy(&xa, q + 4 * t, 4);
-                memcpy(&xb, q + 16 + 4 * t, 4);
-                __m256i sa = _mm256_set1_epi32(xa), sb = _mm256_set1_epi32(xb);
-                ilo[r] = dot4(dot4(ilo[r], a0, sa), b0, sb);
-                ihi[r] = dot4(dot4(ihi[r], a1, sa), b1, sb);
+        if (F == Q4) {
+            for (int t = 0; t < 4; t++) {
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t + 32));
+                __m256i a0 = _mm256_and_si256(v0, low), b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+                __m256i a1 = _mm256_and_si256(v1, low), b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *q = x->q + r * k + g * GROUP;
+                    __m256i sa = _mm256_set1_epi32(x4(q + 4 * t)), sb = _mm256_set1_epi32(x4(q + 16 + 4 * t));
+                    ilo[r] = chunk_dot2(F, chunk_dot2(F, ilo[r], a0, sa), b0, sb);
+                    ihi[r] = chunk_dot2(F, chunk_dot2(F, ihi[r], a1, sa), b1, sb);
+                }
+            }
+        } else {
+            for (int t = 0; t < 8; t++) {
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t + 32));
+                for (int r = 0; r < R; r++) {
+                    __m256i sa = _mm256_set1_epi32(x4(x->q + r * k + g * GROUP + 4 * t));
+                    ilo[r] = chunk_dot2(F, ilo[r], v0, sa);
+                    ihi[r] = chunk_dot2(F, ihi[r], v1, sa);
+                }
             }
         }
         __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
         __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
-        __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32)));
-        __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 48)));
         for (int r = 0; r < R; r++) {
-            __m256 dx = _mm256_set1_ps(x->d[r * groups + g]), sx = _mm256_set1_ps(x->s[r * groups + g]);
+            __m256 dx = _mm256_set1_ps(x->d[r * groups + g]);
             lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(ilo[r])));
             hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(ihi[r])));
-            lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(m0, sx));
-            hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(m1, sx));
+        }
+        if (F == Q4) {
+            __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32)));
+            __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 48)));
+            for (int r = 0; r < R; r++) {
+                __m256 sx = _mm256_set1_ps(x->s[r * groups + g]);
+                lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(m0, sx));
+                hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(m1, sx));
+            }
         }
     }
     for (int r = 0; r < R; r++)
@@ -161,8 +207,8 @@ tile2(const int R, const qrows *x, int64_t k, const uint8_t *wb, float *y, int64
 
 /* R rows against NB column blocks side by side (R * NB <= 8 chains) */
 static inline VNNI __attribute__((always_inline)) void
-tile512(const int R, const int NB, const qrows *x, int64_t k, const uint8_t *wb, int64_t bstride, float *y,
-        int64_t ldy, int64_t col, int64_t n, int act) {
+tile512(const int64_t F, const int R, const int NB, const qrows *x, int64_t k, const uint8_t *wb, int64_t bstride,
+        float *y, int64_t ldy, int64_t col, int64_t n, int act) {
     int64_t groups = k / GROUP;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[8];
@@ -172,29 +218,41 @@ tile512(const int R, const int NB, const qrows *x, int64_t k, const uint8_t *wb,
         __m512i is[8];
         for (int i = 0; i < R * NB; i++)
             is[i] = _mm512_setzero_si512();
-        for (int t = 0; t < 4; t++) {
-            for (int b = 0; b < NB; b++) {
-                __m512i v = _mm512_loadu_si512(wb + b * bstride + g * RECORD + 64 + 64 * t);
-                __m512i a = _mm512_and_si512(v, low), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *q = x->q + r * k + g * GROUP;
-                    int32_t xa, xb;
-                    memcpy(&xa, q + 4 * t, 4);
-                    memcpy(&xb, q + 16 + 4 * t, 4);
-                    is[r * NB + b] = _mm512_dpbusd_epi32(is[r * NB + b], a, _mm512_set1_epi32(xa));
-                    is[r * NB + b] = _mm512_dpbusd_epi32(is[r * NB + b], h, _mm512_set1_epi32(xb));
+        for (int b = 0; b < NB; b++) {
+            const uint8_t *qs = wb + b * bstride + g * RECORD(F) + (F == Q4 ? 64 : 32);
+            if (F == Q4) {
+                for (int t = 0; t < 4; t++) {
+                    __m512i v = _mm512_loadu_si512(qs + 64 * t);
+                    __m512i a = _mm512_and_si512(v, low), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *q = x->q + r * k + g * GROUP;
+                        is[r * NB + b] = _mm512_dpbusd_epi32(is[r * NB + b], a, _mm512_set1_epi32(x4(q + 4 * t)));
+                        is[r * NB + b] = _mm512_dpbusd_epi32(is[r * NB + b], h, _mm512_set1_epi32(x4(q + 16 + 4 * t)));
+                    }
                 }
+            } else {
+                for (int t = 0; t < 8; t++) {
+                    __m512i v = _mm512_loadu_si512(qs + 64 * t);
+                    for (int r = 0; r < R; r++)
+                        is[r * NB + b] = _mm512_dpbusd_epi32(is[r * NB + b], v,
+                                                             _mm512_set1_epi32(x4(x->q + r * k + g * GROUP + 4 * t)));
+                }
+                for (int r = 0; r < R; r++)   /* (q + 128) . qx - 128 * sum(qx) = q . qx */
+                    is[r * NB + b] = _mm512_sub_epi32(is[r * NB + b], _mm512_set1_epi32(128 * x->sum[r * groups + g]));
             }
         }
         for (int b = 0; b < NB; b++) {
-            const uint8_t *rec = wb + b * bstride + g * RECORD;
+            const uint8_t *rec = wb + b * bstride + g * RECORD(F);
             __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-            __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32)));
             for (int r = 0; r < R; r++) {
-                __m512 dx = _mm512_set1_ps(x->d[r * groups + g]), sx = _mm512_set1_ps(x->s[r * groups + g]);
+                __m512 dx = _mm512_set1_ps(x->d[r * groups + g]);
                 __m512 *a = &acc[r * NB + b];
                 *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(is[r * NB + b])));
-                *a = _mm512_add_ps(*a, _mm512_mul_ps(mw, sx));
+            }
+            if (F == Q4) {
+                __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32)));
+                for (int r = 0; r < R; r++)
+                    acc[r * NB + b] = _mm512_add_ps(acc[r * NB + b], _mm512_mul_ps(mw, _mm512_set1_ps(x->s[r * groups + g])));
             }
         }
     }
@@ -203,49 +261,61 @@ tile512(const int R, const int NB, const qrows *x, int64_t k, const uint8_t *wb,
             store16(y + r * ldy, col + b * BLOCK, n, acc[r * NB + b], act);
 }
 
-#define CASE512(R, NB) case R: tile512(R, NB, &xr, k, wb, stride, yr, ldy, col, n, act); break;
+#define CASE512(R, NB) case R: tile512(F, R, NB, &xr, k, wb, stride, yr, ldy, col, n, act); break;
 
 /* rows [0, m) against blocks [b0, b1): one row on four blocks at once, two rows on two, more rows up to 8 a tile */
-VNNI static void span512(const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy,
-                         int64_t n, int64_t b0, int64_t b1, int act) {
-    int64_t stride = (k / GROUP) * RECORD, groups = k / GROUP;
-    int64_t b = b0;
+static inline VNNI __attribute__((always_inline)) void
+span512(const int64_t F, const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy,
+        int64_t n, int64_t b0, int64_t b1, int act) {
+    int64_t stride = (k / GROUP) * RECORD(F), groups = k / GROUP;
     int nb = m == 1 ? 4 : m == 2 ? 2 : 1;
-    for (; b < b1; b += nb) {
+    for (int64_t b = b0; b < b1; b += nb) {
         if (b + nb > b1)
             nb = 1;
         const uint8_t *wb = data + b * stride;
         int64_t col = b * BLOCK;
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups};
+            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups, x->sum + r0 * groups};
             float *yr = y + r0 * ldy;
             int rows = m - r0 < MAX_ROWS ? (int)(m - r0) : MAX_ROWS;
             if (nb == 4)
-                tile512(1, 4, &xr, k, wb, stride, yr, ldy, col, n, act);
+                tile512(F, 1, 4, &xr, k, wb, stride, yr, ldy, col, n, act);
             else if (nb == 2)
-                tile512(2, 2, &xr, k, wb, stride, yr, ldy, col, n, act);
+                tile512(F, 2, 2, &xr, k, wb, stride, yr, ldy, col, n, act);
             else
                 switch (rows) {
                 CASE512(8, 1) CASE512(7, 1) CASE512(6, 1) CASE512(5, 1) CASE512(4, 1) CASE512(3, 1) CASE512(2, 1)
-                default: tile512(1, 1, &xr, k, wb, stride, yr, ldy, col, n, act);
+                default: tile512(F, 1, 1, &xr, k, wb, stride, yr, ldy, col, n, act);
                 }
         }
     }
 }
 
-#define CASE2(R) case R: tile2(R, &xr, k, wb, yr, ldy, col, n, act); break;
+/* each format's span compiled once, in AVX-512 */
+VNNI static void span512_q4(const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy,
+                            int64_t n, int64_t b0, int64_t b1, int act) {
+    span512(Q4, x, m, k, data, y, ldy, n, b0, b1, act);
+}
 
-static void span2(const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy, int64_t n,
-                  int64_t b0, int64_t b1, int act) {
-    int64_t stride = (k / GROUP) * RECORD, groups = k / GROUP;
+VNNI static void span512_q8(const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy,
+                            int64_t n, int64_t b0, int64_t b1, int act) {
+    span512(Q8, x, m, k, data, y, ldy, n, b0, b1, act);
+}
+
+#define CASE2(R) case R: tile2(F, R, &xr, k, wb, yr, ldy, col, n, act); break;
+
+static inline __attribute__((always_inline)) void
+span2(const int64_t F, const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy, int64_t n,
+      int64_t b0, int64_t b1, int act) {
+    int64_t stride = (k / GROUP) * RECORD(F), groups = k / GROUP;
     for (int64_t b = b0; b < b1; b++)
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS2) {
-            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups};
+            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups, x->sum + r0 * groups};
             const uint8_t *wb = data + b * stride;
             float *yr = y + r0 * ldy;
             int64_t col = b * BLOCK;
             switch (m - r0 < MAX_ROWS2 ? (int)(m - r0) : MAX_ROWS2) {
-            CASE2(4) CASE2(3) CASE2(2) default: tile2(1, &xr, k, wb, yr, ldy, col, n, act);
+            CASE2(4) CASE2(3) CASE2(2) default: tile2(F, 1, &xr, k, wb, yr, ldy, col, n, act);
             }
         }
 }
@@ -271,25 +341,31 @@ static __thread int8_t *tq;
 static __thread float *tf;
 static __thread int64_t tq_bytes, tf_floats;
 
-void q8_blocks(const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy, int64_t n,
-               int64_t m, int64_t b0, int64_t b1, int act) {
+void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
+               int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     int64_t groups = k / GROUP;
     if (tq_bytes < m * k) {
         free(tq);
         tq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
         tq_bytes = tq ? m * k : 0;
     }
-    if (tf_floats < 2 * m * groups) {
+    if (tf_floats < 3 * m * groups) {   /* d, s and sum (int32, float-sized) per group */
         free(tf);
-        tf = malloc((size_t)(2 * m * groups) * sizeof(float));
-        tf_floats = tf ? 2 * m * groups : 0;
+        tf = malloc((size_t)(3 * m * groups) * sizeof(float));
+        tf_floats = tf ? 3 * m * groups : 0;
     }
     if (tq == NULL || tf == NULL)
         abort();   /* out of memory for a few KiB: nothing sensible to return from a kernel */
-    qrows q = {tq, tf, tf + m * groups};
+    qrows q = {tq, tf, tf + m * groups, (int32_t *)(tf + 2 * m * groups)};
     quantize_rows(x, ldx, m, k, &q);
-    if (use_vnni())
-        span512(&q, m, k, data, y, ldy, n, b0, b1, act);
-    else
-        span2(&q, m, k, data, y, ldy, n, b0, b1, act);
+    if (use_vnni()) {
+        if (format == Q4)
+            span512_q4(&q, m, k, data, y, ldy, n, b0, b1, act);
+        else
+            span512_q8(&q, m, k, data, y, ldy, n, b0, b1, act);
+    } else if (format == Q4) {
+        span2(Q4, &q, m, k, data, y, ldy, n, b0, b1, act);
+    } else {
+        span2(Q8, &q, m, k, data, y, ldy, n, b0, b1, act);
+    }
 }

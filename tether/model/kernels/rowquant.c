@@ -244,7 +244,8 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
     switch (w->format) {
     case WEIGHT_Q4_1: quant_blocks(WEIGHT_Q4_1, x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
     case WEIGHT_Q8_0: quant_blocks(WEIGHT_Q8_0, x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
-    case WEIGHT_Q4_1_Q8: q8_blocks(x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
+    case WEIGHT_Q4_1_Q8:
+    case WEIGHT_Q8_0_Q8: q8_blocks(w->format, x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
     default: rowdot_blocks(x, ldx, w->data, k, y, ldy, n, m, b0, b1, act); break;
     }
 }

@@ -39,7 +39,7 @@ store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
 
 /* A projection's weight as the kernels read it: rowdot's fp32 blocks, or rowquant.c's blocks of a GGUF file's
  * Q4_1 / Q8_0 groups, whose fp32 values the kernel rebuilds exactly as the conversion did (tether/model/rowquant.py). */
-enum { WEIGHT_F32 = 0, WEIGHT_Q4_1 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4_1_Q8 = 3 };
+enum { WEIGHT_F32 = 0, WEIGHT_Q4_1 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4_1_Q8 = 3, WEIGHT_Q8_0_Q8 = 4 };
 typedef struct {
     const void *data;
     int64_t format;
@@ -67,10 +67,10 @@ int kernels_isa(int want);
 void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t k, float *y, int64_t ldy,
                    int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
-/* rowq8.c: the column blocks [b0, b1) of a Q4_1 weight in rowq8's layout against x's rows rounded to 8 bits per
- * group (llama.cpp's arithmetic: another numerics than rowdot's, tether/model/rowq8.py) */
-void q8_blocks(const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy, int64_t n,
-               int64_t m, int64_t b0, int64_t b1, int act);
+/* rowq8.c: the column blocks [b0, b1) of a Q4_1 or Q8_0 weight (WEIGHT_*_Q8) in rowq8's layout against x's rows
+ * rounded to 8 bits per group (llama.cpp's arithmetic: another numerics than rowdot's, tether/model/rowq8.py) */
+void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
+               int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
 /* Thread t of `team`'s share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile), so that
  * rowdot's own threads and rowlayer's split a weight alike. */
