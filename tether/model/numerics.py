@@ -542,6 +542,7 @@ def _is_rule(value: object) -> bool:
         return False
     return ((unit is None or unit in UNITS) and type(floor) is int and 1 <= floor <= MAX_FLOOR
             and value["attention"] in ATTENTIONS and value["layers"] in LAYERS
+            and value["inputs"] == "float32"   # what the probes find; q8 is asked for after (ModelSlice.use_inputs)
             and (threads is None or (type(threads) is int and threads >= 1)) and linear in KERNELS
             and (tile is None or tile in UNITS) and all(type(v) is int for v in (unit, tile) if v is not None))
 

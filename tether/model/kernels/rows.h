@@ -72,11 +72,14 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
 void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
                int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
-/* Thread t of `team`'s share of `blocks` column blocks: contiguous, in fours (rowdot's one-row tile), so that
- * rowdot's own threads and rowlayer's split a weight alike. */
-static inline void rows_share(int64_t blocks, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
+/* Thread t of `team`'s share of a weight's `blocks` column blocks: contiguous, in fours for the formats whose
+ * one-row tile takes four (rowdot's and rowquant's), one by one for rowq8's (its tiles take any count: an even
+ * split, which matters at one row, where smollm2's 12-block k and v split 8 / 4 in fours), so that rowdot's own
+ * threads and rowlayer's split a weight alike. Which thread computes a block never changes its bits. */
+static inline void rows_share(int64_t blocks, int64_t format, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
+    int64_t unit = format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 ? 1 : 4;
     int64_t s = (blocks + team - 1) / team;
-    s = (s + 3) / 4 * 4;
+    s = (s + unit - 1) / unit * unit;
     *b0 = t * s < blocks ? t * s : blocks;
     *b1 = *b0 + s < blocks ? *b0 + s : blocks;
 }
