@@ -8,6 +8,8 @@ its Stats count the rejections.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 import struct
@@ -374,23 +376,39 @@ def test_a_route_that_mixes_numerics_is_refused(start_stage):
         prev_layer_end=2, pipeline_epoch=5, dtype=other, stamp_key=bytes(32)), timeout=15).ok
 
 
+def handshake_after(stage, kernels: str) -> stage_pb2.HandshakeReply:
+    """`stage`'s handshake as the second of a route whose first stage (float32) runs `kernels`."""
+    return stage.stub.Handshake(stage_pb2.HandshakeRequest(
+        protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=model_fingerprint(resolve_model("tiny")),
+        route=[stage_pb2.RouteEntry(address="127.0.0.1:1"), stage_pb2.RouteEntry(address=stage.address)],
+        index=1, prev_layer_end=2, pipeline_epoch=5, dtype="float32", stamp_key=bytes(32), kernels=kernels),
+        timeout=15)
+
+
 def test_a_route_whose_stages_chose_other_kernels_is_refused(start_stage):
     """Each stage forwards its kernels and rows (RowRule) with the handshake: a stage after it that runs
     others (another CPU, another torch) refuses the route, as for another dtype; the same ones are taken."""
     stage = start_stage("--layers", "2:4", "--dtype", "float32")
     mine = numerics.row_rule(ModelConfig.from_folder(resolve_model("tiny")), torch.float32).kernels
     other = "padded to 64 rows per thread" if "64 rows" not in mine else "unpadded, at least 1 rows"
-
-    def handshake(kernels: str) -> stage_pb2.HandshakeReply:
-        return stage.stub.Handshake(stage_pb2.HandshakeRequest(
-            protocol_version=settings.PROTOCOL_VERSION, model_fingerprint=model_fingerprint(resolve_model("tiny")),
-            route=[stage_pb2.RouteEntry(address="127.0.0.1:1"), stage_pb2.RouteEntry(address=stage.address)],
-            index=1, prev_layer_end=2, pipeline_epoch=5, dtype="float32", stamp_key=bytes(32), kernels=kernels),
-            timeout=15)
-    refused = handshake(other)
+    refused = handshake_after(stage, other)
     assert not refused.ok and f"runs float32 {mine}" in refused.error and f"before it run {other}" in refused.error
     assert "never mixes numerics" in refused.error
-    assert handshake(mine).ok
+    assert handshake_after(stage, mine).ok
+
+
+def test_a_route_that_mixes_linear_inputs_is_refused(start_stage):
+    """--linear-inputs q8 is a numerics of its own: the stage names it in its kernels and refuses a stage before it
+    that multiplies float32 inputs; a q8 one is taken."""
+    rule = numerics.row_rule(ModelConfig.from_folder(resolve_model("tiny")), torch.float32)
+    if rule.linear != "rowdot":
+        pytest.skip(f"q8 inputs need rowdot; this machine runs {rule}")
+    stage = start_stage("--layers", "2:4", "--dtype", "float32", "--linear-inputs", "q8")
+    q8 = dataclasses.replace(rule, inputs="q8").kernels
+    assert "q8 linear inputs" in q8
+    refused = handshake_after(stage, rule.kernels)
+    assert not refused.ok and f"runs float32 {q8}" in refused.error and "never mixes numerics" in refused.error
+    assert handshake_after(stage, q8).ok
 
 
 def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_stage, kit):

@@ -28,3 +28,13 @@ def test_a_missing_tenants_file_stops_before_anything_starts(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
         service_extra(build_parser().parse_args(["--tenants", str(tmp_path / "nope.toml")]))
     assert service_extra(build_parser().parse_args([])) == {}
+
+
+def test_linear_inputs_reach_the_stages_only():
+    from services.stage_worker.main import build_parser as stage_parser   # imports torch: only this test pays
+    extra = service_extra(build_parser().parse_args(["--linear-inputs", "q8", "--log-format", "json"]))
+    assert extra["stage"] == ["--log-format", "json", "--linear-inputs", "q8"]
+    assert extra["coordinator"] == extra["admission"] == ["--log-format", "json"]
+    assert stage_parser().parse_args(["--model", "tiny", *extra["stage"]]).linear_inputs == "q8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--linear-inputs", "int4"])

@@ -141,6 +141,8 @@ def test_spawned_cluster_flags():
     assert cluster_extra(args, prefix_cache=False) == {"stage": ["--kv-capacity", "4096"],
                                                        "coordinator": ["--no-prefix-cache"]}
     assert cluster_extra(build_parser().parse_args([]), prefix_cache=True) == {}
+    q8 = build_parser().parse_args(["--spawn", "--stage-kv-tokens", "4096", "--linear-inputs", "q8"])
+    assert cluster_extra(q8, prefix_cache=True) == {"stage": ["--kv-capacity", "4096", "--linear-inputs", "q8"]}
 
 
 @pytest.mark.parametrize("argv, message", [
