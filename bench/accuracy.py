@@ -1,4 +1,5 @@
-"""tether's logits in each dtype against Hugging Face transformers in float32, on the same checkpoint.
+"""tether's logits in each dtype (and float32 with q8 linear inputs) against Hugging Face transformers in float32,
+on the same checkpoint.
 
 For each prompt of a small Chinese and English set (tether/loadtest/data/single.jsonl, chat-rendered), the
 context is the prompt plus transformers' own greedy continuation (fp32), so every position is one a served
@@ -40,7 +41,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8, help="prompts, half Chinese, half English (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length (default: %(default)s)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="tether dtypes to compare (default: %(default)s)")
+    p.add_argument("--dtypes", default="float32,float32+q8,bfloat16",
+                   help="tether dtypes to compare, each with +q8 for --linear-inputs q8 (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON figures here")
     args = p.parse_args()
     folder = resolve_model(smollm2.NAME)
@@ -57,7 +59,8 @@ def main() -> None:
         contexts.append((lang, full, len(ids), want))
     result = {}
     for dtype in args.dtypes.split(","):
-        model = load_slice(folder, dtype=dtype)
+        name, _, inputs = dtype.partition("+")
+        model = load_slice(folder, dtype=name, inputs=inputs or "float32")
         worst, total, count, agree, agree_new, new = 0.0, 0.0, 0, 0, 0, 0
         for _, full, prompt_len, want in contexts:
             kv = model.new_kv()

@@ -4,9 +4,11 @@ interleaved repeat by repeat in one process:
 - fp32 blocks: rowdot's own fp32 weights (what a folder without the GGUF file's groups serves), AVX2 tiles;
 - file's groups, AVX2: the Q4_1 / Q8_0 groups the conversion kept (tether/model/rowquant.py), AVX2 only;
 - file's groups, AVX-512: the same where the CPU has AVX-512 (what `--dtype auto` serves there);
+- q8 inputs, AVX2 / AVX-512 VNNI: the same groups with each linear's inputs rounded to 8 bits, llama.cpp's
+  arithmetic (`--linear-inputs q8`, tether/model/rowq8.py; VNNI where the CPU has it);
 - bf16: the bf16 rule's kernels, where the CPU has native bf16 and its probe passes.
 
-The first three give the same bits (tests/tether/model/test_rowquant.py, test_rowdot.py); bf16 gives its own.
+The first three give the same bits (tests/tether/model/test_rowquant.py, test_rowdot.py); q8 and bf16 give their own.
 
     .venv/bin/python bench/weight_formats.py --batches 1,8,32 --threads 2
 
@@ -48,8 +50,8 @@ def main() -> None:
     folder = resolve_model(args.model)
     end = ModelConfig.from_folder(folder).num_hidden_layers
 
-    def fp32(groups: bool) -> ModelSlice:
-        m = load_slice(folder, 0, end, dtype="float32")
+    def fp32(groups: bool, inputs: str = "float32") -> ModelSlice:
+        m = load_slice(folder, 0, end, dtype="float32", inputs=inputs)
         if not groups:
             for lin in m.modules():
                 if isinstance(lin, Linear):
@@ -61,6 +63,9 @@ def main() -> None:
     variants: dict[str, tuple[ModelSlice, int]] = {"fp32 blocks": (fp32(False), 0), "file's groups, AVX2": (fp32(True), 0)}
     if wide:
         variants["file's groups, AVX-512"] = (fp32(True), 1)
+    variants["q8 inputs, AVX2"] = (fp32(True, "q8"), 0)
+    if wide and lib.rowq8_isa():
+        variants["q8 inputs, AVX-512 VNNI"] = (fp32(True, "q8"), 1)
     cfg = ModelConfig.from_folder(folder)
     if numerics.servable_rule(cfg, torch.bfloat16) is not None and not numerics.BF16_FLAGS.isdisjoint(numerics.cpu_flags()):
         variants["bf16"] = (load_slice(folder, 0, end, dtype="bfloat16"), int(wide))

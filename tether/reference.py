@@ -75,9 +75,10 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], params: common_pb2.Samp
 
 def generate(prompt: str, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 0.0, seed: int = 0, stop=(), ignore_eos: bool = False,
-             namespace: str = "") -> GenerateResult:
-    """The reference answer for one request, as a GenerateResult (the SDK's type)."""
-    lm = load(model)
+             namespace: str = "", inputs: str = settings.LINEAR_INPUTS) -> GenerateResult:
+    """The reference answer for one request, as a GenerateResult (the SDK's type); `inputs`: the stages'
+    --linear-inputs."""
+    lm = load(model, inputs=inputs)
     params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
     return _answer(lm, lm.tokenizer.encode(prompt), prompt_digest(prompt.encode()), params, namespace, seed)
 
@@ -91,11 +92,11 @@ def render_chat(lm: LoadedModel, messages: Messages) -> tuple[str, list[int]]:
 
 def chat(messages: Messages, model: str = "tiny", *, max_tokens: int = 64, temperature: float = 0.0,
          top_k: int = 0, top_p: float = 0.0, seed: int = 0, stop=(), ignore_eos: bool = False,
-         namespace: str = "") -> GenerateResult:
+         namespace: str = "", inputs: str = settings.LINEAR_INPUTS) -> GenerateResult:
     """The reference reply to a conversation: rendered with the model's chat template by the same function as
     admission's, so the served reply must equal it token for token. ConversationError (a ValueError) where
     admission answers INVALID_ARGUMENT for the conversation itself."""
-    lm = load(model)
+    lm = load(model, inputs=inputs)
     params = sampling_params(max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
     digest = messages_digest(encode_messages(messages))
     return _answer(lm, render_chat(lm, messages)[1], digest, params, namespace, seed)

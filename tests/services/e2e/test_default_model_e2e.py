@@ -2,7 +2,8 @@
 
 The heavy e2e tests run on `tiny`; this focused set shows batch invariance, the stamps and the chat path hold
 unchanged on real weights (30 layers, GQA 9/3, tied embeddings, a 49k BPE vocabulary): concurrent greedy and
-seeded requests equal their solo `tether.reference` answers, and the model really answers a question.
+seeded requests equal their solo `tether.reference` answers, and the model really answers a question; and the
+same with the stages' --linear-inputs q8 (llama.cpp's arithmetic on the file's groups), against a q8 reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 from tether import reference
 from tether.client import AsyncClient, Client
+from tether.model import native
 from tests.helpers import started
 
 MODEL = "smollm2"
@@ -52,3 +54,22 @@ def test_the_model_knows_the_capital_of_france(smol):
     assert "Paris" in got.text, got.text
     want = reference.chat(FRANCE, MODEL, max_tokens=12)
     assert got.token_ids == want.token_ids and got.receipt.context_hash == want.receipt.context_hash
+
+
+@pytest.mark.skipif(native.available() is not None, reason=f"q8 needs our kernels: {native.available()}")
+def test_q8_linear_inputs_served_equal_the_q8_reference(tmp_path_factory):
+    """A cluster whose stages multiply 8-bit inputs: concurrent requests equal the q8 reference token for token,
+    and the receipts name numerics other than float32's."""
+    with started(tmp_path_factory, model=MODEL, extra={"stage": ["--linear-inputs", "q8"]}) as cluster:
+        async def run():
+            async with AsyncClient(cluster.target, timeout=120) as client:
+                return await asyncio.gather(*(client.generate(**c) for c in CASES))
+
+        answers = asyncio.run(run())
+    for case, got in zip(CASES, answers):
+        params = {k: v for k, v in case.items() if k != "prompt"}
+        want = reference.generate(case["prompt"], MODEL, inputs="q8", **params)
+        assert got.token_ids == want.token_ids, case
+        assert got.receipt.context_hash == want.receipt.context_hash
+        assert got.receipt.model_fingerprint == want.receipt.model_fingerprint
+        assert got.receipt.model_fingerprint != reference.load(MODEL).served_fingerprint
