@@ -310,11 +310,13 @@ class ModelSlice(nn.Module):
         weights): the norm weights, each projection's weight, bias, kernel and inputs (objects, compared by
         identity) and each projection weight's version (values)."""
         if self._stack_modules is None:
-            self._stack_modules = [
-                (layer.input_layernorm, layer.post_attention_layernorm,
-                 (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
-                for layer in self.layers]
+            self._stack_modules = []
+            for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
+                a, m = layer.self_attn, layer.mlp
+                self._stack_modules.append((layer.input_layernorm, layer.post_attention_layernorm,
+                                            (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                             m.down_proj)))
         objects: list[Any] = []
         versions: list[Any] = []
         for ln1, ln2, projections in self._stack_modules:
