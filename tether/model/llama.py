@@ -22,7 +22,7 @@ from tether.kv.paged import BlockArena, PagedKV
 from tether.model.config import ModelConfig
 from tether.model import dtypes, rowlayer, rowq8, rowquant
 from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows, padded_rows
-from tether.model.numerics import row_rule
+from tether.model.numerics import name_of, row_rule
 from tether.model.rowattn import RowAttentionPlan
 from tether.model.tiles import AttentionPlan, Scratch
 
@@ -224,8 +224,9 @@ class ModelSlice(nn.Module):
         if inputs not in dtypes.LINEAR_INPUTS:
             raise ValueError(f"linear inputs must be one of {', '.join(dtypes.LINEAR_INPUTS)}; got {inputs!r}")
         if inputs != "float32" and (self.dtype != torch.float32 or self.rows.linear != "rowdot"):
-            raise ValueError(f"{inputs} linear inputs need float32 on our rowdot kernel; this machine serves "
-                             f"{self.dtype} on {self.rows}")
+            raise ValueError(f"{inputs} linear inputs need float32 on our rowdot kernel (C kernels built, "
+                             f"--dtype float32 or auto); this machine serves {name_of(self.dtype)} on {self.rows}: "
+                             f"leave --linear-inputs at float32")
         self.rows = dataclasses.replace(self.rows, inputs=inputs)
         for m in self.modules():
             if isinstance(m, Linear):

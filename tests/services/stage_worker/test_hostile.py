@@ -11,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import math
+import os
 import re
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -436,3 +439,14 @@ def test_frame_and_stream_limits_are_advertised_and_enforced_by_the_stage(start_
     second.cancel()
     assert st.end() == grpc.StatusCode.OK
     assert s.stats().refusals["STREAMS_PER_PEER"] == 1
+
+
+def test_q8_inputs_where_float32_does_not_run_on_rowdot_stop_the_stage_with_the_reason(tmp_path):
+    """Our kernels turned off (as on a machine that cannot build them): the stage refuses --linear-inputs q8 at
+    start-up, in one line that says what to do, and exits non-zero instead of serving other numerics."""
+    env = {**os.environ, settings.NATIVE_KERNELS_ENV: "0"}
+    done = subprocess.run([sys.executable, "-m", "services.stage_worker", "--host", "127.0.0.1", "--port", "0",
+                           "--model", "tiny", "--linear-inputs", "q8"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode != 0
+    assert "leave --linear-inputs at float32" in done.stderr and "Traceback" not in done.stderr
