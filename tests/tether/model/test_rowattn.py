@@ -51,6 +51,25 @@ def test_it_computes_causal_attention():
         row += n
 
 
+@pytest.mark.parametrize("d", [16, 64, 24])
+def test_the_avx512_sums_give_the_avx2_bits(d):
+    """Where the CPU has AVX-512 the values' sums run 16 elements an instruction (d % 16 == 0; 24 stays AVX2):
+    the same bits as AVX2's 8 (forced here), keys' scores four at a time included."""
+    lib = native.library()
+    if not lib.kernels_isa(1):
+        pytest.skip("no AVX-512 (F, BW, DQ, VL) here")
+    g = torch.Generator().manual_seed(d)
+    keys, values, tables, first, positions, _ = _arena(g, [70, 3, 33], 2, d)
+    q = torch.randn(106, 6, d, generator=g) * 3
+    try:
+        wide = rowattn.attend_rows(q, keys, values, positions, first, tables, 70)
+        lib.kernels_isa(0)
+        narrow = rowattn.attend_rows(q, keys, values, positions, first, tables, 70)
+    finally:
+        lib.kernels_isa(1)
+    assert torch.equal(wide, narrow)
+
+
 def test_a_row_has_the_same_bits_in_every_call_and_thread_count():
     assert rowattn.holds(heads=9, kv_heads=3, head_dim=64, block=BLOCK, threads=(1, 2, 3))
     assert rowattn.holds(heads=8, kv_heads=8, head_dim=32, block=64, threads=(1, 2))
