@@ -74,7 +74,7 @@ class Bench:
         if served != self.lm.served_fingerprint:   # the model and its dtype: the audit compares like with like
             raise SystemExit(f"tether bench: the cluster at {self.target} serves model {served}, but --model "
                              f"{self.options.model} is {self.lm.served_fingerprint} here; pass the served model "
-                             f"with --model (and the dtype its stages run with --dtype)")
+                             f"with --model (and what its stages run: --dtype, --linear-inputs)")
 
     async def run_levels(self, after_warm_up: Callable[[], None] | None = None) -> list[LevelResult]:
         """Warm up, call `after_warm_up` (chaos against --target reads the cluster's counters there), then run
