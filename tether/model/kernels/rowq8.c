@@ -6,10 +6,11 @@
  * sx = dx * sum(qx). For output j, with the file's group scale dw, minimum mw and 4-bit q (w = dw * q + mw):
  *   isum_g = sum_i q[i] * qx[i]                               an integer: exact in any order
  *   acc = 0;  for g = 0, 1, ...:  acc = acc + (dw_g * dx_g) * isum_g;  acc = acc + mw_g * sx_g
- * (Q8_0: w = dw * q, q int8, and no mw term), each product and sum rounded once, in that order (no FMA). A row's bits depend only on its own inputs: batch-
- * invariant by construction, and the same on AVX2 and AVX-512 VNNI (the integer sums are exact either way, the
- * float chain is the same operations lane by lane). Not rowdot's bits: the inputs are rounded to 8 bits, so this
- * is a numerics of its own ("q8" in tether/model/rowq8.py), never mixed with float32's.
+ * (Q8_0: w = dw * q, q int8, and no mw term), each product and sum rounded once, in that order (no FMA). A row's
+ * bits depend only on its own inputs: batch-invariant by construction, and the same on AVX2 and AVX-512 VNNI (the
+ * integer sums are exact either way, the float chain is the same operations lane by lane). Not rowdot's bits: the
+ * inputs are rounded to 8 bits, so this is a numerics of its own ("q8" in tether/model/rowq8.py), never mixed with
+ * float32's.
  *
  * Layout (rowq8_pack): a column block of 16 outputs, then its groups of 32 inputs, 320 bytes a group:
  *   d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk t, bytes 4c..4c+3 hold column c's q[4t + b] in their
@@ -24,7 +25,6 @@
  * their own target and run only where cpuid has AVX-512 VNNI (and kernels_isa has not turned AVX-512 off).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
