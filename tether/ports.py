@@ -98,13 +98,21 @@ def _command(pid: str) -> str:
     return " ".join(words)
 
 
+def _bindable(host: str) -> socket.socket:
+    """A TCP socket that binds as our servers do (SO_REUSEADDR, as gRPC and uvicorn set it): a port whose only
+    sockets are closed connections waiting out TIME_WAIT (a server stopped a moment ago, whose clients it had
+    closed) binds; one that anything listens on, or that a live connection holds, does not."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s
+
+
 def in_use(host: str, port: int) -> bool:
-    """Whether binding `port` on `host` fails with EADDRINUSE right now."""
+    """Whether binding `port` on `host` as a server does fails with EADDRINUSE right now."""
     if port == 0:
         return False
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
+        with _bindable(host) as s:
             s.bind((host, port))
     except OSError as e:
         return e.errno == errno.EADDRINUSE
@@ -121,13 +129,15 @@ def bind_error(host: str, port: int, flag: str, cause: BaseException | str) -> O
 
 
 def reserve(host: str, port: int, flag: str, advice: str | None = None) -> socket.socket:
-    """Hold `port` on `host` (bound, not listening) until the service that will serve it starts: nothing else
-    (an outgoing connection's local port included) can take it meanwhile. PortInUse (saying `advice`, else to
-    pass `flag`) when it is taken now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
+    """Hold `port` on `host` until the service that will serve it starts: nothing else (an outgoing connection's
+    local port, another launcher's reservation) can take it meanwhile. Bound as a server binds, so the TIME_WAIT
+    of a cluster stopped a moment ago does not count as in use, and listening (backlog 0; a client that connects
+    before the service starts is reset when this closes), so that a second reservation, which binds the same
+    way, is refused. PortInUse (saying `advice`, else to pass `flag`) when it is taken now."""
+    s = _bindable(host)
     try:
         s.bind((host, port))
+        s.listen(0)
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRINUSE:

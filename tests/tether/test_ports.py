@@ -52,6 +52,30 @@ def test_a_free_port_is_not_in_use_and_a_reservation_holds_it():
     assert not isinstance(err, ports.PortInUse) and "Cannot assign requested address" in str(err)
 
 
+def test_a_port_a_stopped_server_left_in_time_wait_can_be_reserved_again():
+    """A cluster stopped a moment ago leaves its public ports' closed connections in TIME_WAIT for a minute: a
+    new `tether up` must not call them in use (its services bind with SO_REUSEADDR and would serve), and its
+    reservation must still keep a second launcher off."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()   # the server's end closes first: it waits out TIME_WAIT on `port`
+        client.recv(1)
+        client.close()
+    assert not ports.in_use("127.0.0.1", port)
+    held = ports.reserve("127.0.0.1", port, "--http-port")
+    try:
+        assert ports.in_use("127.0.0.1", port)
+        with pytest.raises(ports.PortInUse):
+            ports.reserve("127.0.0.1", port, "--http-port")
+    finally:
+        held.close()
+
+
 def test_a_report_is_written_whole_and_read_back(tmp_path):
     path = tmp_path / "stage0.json"
     assert ports.read_report(path) is None
