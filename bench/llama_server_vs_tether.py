@@ -43,10 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from bench import llama_server  # noqa: E402
+from tether import settings  # noqa: E402
 from tether.client import TetherError  # noqa: E402
 from tether.loadtest import loadgen, stats  # noqa: E402
 from tether.loadtest.openai_stream import AsyncOpenAIClient, StreamBase, tether_error  # noqa: E402
 from tether.loadtest.workloads import BenchRequest, SyntheticSpec, Workload  # noqa: E402
+from tether.model import dtypes  # noqa: E402
 from tether.types import GenerateResult, Receipt  # noqa: E402
 
 NO_ID = -1   # token ids are not compared here: only counted (each server's usage)
@@ -182,9 +184,9 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--stage-threads", type=int, default=None,
                    help="threads per stage (default: cores divided among the stages, as `tether up`)")
-    p.add_argument("--linear-inputs", default="float32", choices=("float32", "q8"),
-                   help="tether's stages' --linear-inputs: q8 computes the GGUF's Q4_1 groups as llama.cpp does "
-                        "(8-bit inputs, integer dot products) (default: %(default)s)")
+    p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
+                   help="tether's stages' --linear-inputs: q8 computes the GGUF's Q4_1 / Q8_0 groups as llama.cpp "
+                        "does (8-bit inputs, integer dot products) (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per side and concurrency")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -210,7 +212,7 @@ def main() -> None:
         print(f"llama_server_vs_tether: skipped: {e}", file=sys.stderr)
         sys.exit(llama_server.SKIP)
 
-    from tether.cli.cluster import LocalCluster
+    from tether.cli.cluster import LocalCluster, linear_inputs_flags
     from tether.model import smollm2
     from tether.model.folder import load_model_tokenizer
     gguf = smollm2.gguf_file()
@@ -229,9 +231,9 @@ def main() -> None:
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
         logs = Path(tmp)
-        extra = {"stage": ["--linear-inputs", args.linear_inputs]} if args.linear_inputs != "float32" else {}
+        inputs = linear_inputs_flags(args.linear_inputs)
         cluster = LocalCluster(model=smollm2.NAME, stages=args.stages, threads=stage_threads, log_dir=logs / "tether",
-                               extra=extra)
+                               extra={"stage": inputs} if inputs else {})
         print(f"starting tether: {args.stages} stages x {stage_threads} thread(s) (logs {logs / 'tether'}) ...",
               file=sys.stderr, flush=True)
         try:
@@ -239,7 +241,7 @@ def main() -> None:
             tether_url = cluster.base_url
             assert tether_url, "the cluster serves no HTTP API"
             meta["tether_kernels"] = tether_kernels(stage_threads) + \
-                (f"; linear inputs {args.linear_inputs}" if args.linear_inputs != "float32" else "")
+                (f"; linear inputs {args.linear_inputs}" if inputs else "")
             print(f"tether kernels: {meta['tether_kernels']}", flush=True)
             meta["system_info"] = llama_server.probe_system_info(binary, gguf, threads, logs / "llama-probe.log")
             print(f"llama-server system_info: {meta['system_info']}", flush=True)

@@ -105,7 +105,8 @@ KV_LEASE_S = 300.0             # state idle longer than this is freed (a lost Re
 # bf16 runs unpadded but on at least the probe's floor of rows (2 on smollm2: a 1-row down_proj has other bits;
 # docs/PERFORMANCE.md, "Numerics per machine").
 DTYPE = "auto"
-LINEAR_INPUTS = "float32"   # --linear-inputs: "q8" rounds linears' inputs to 8 bits, llama.cpp's arithmetic (dtypes.LINEAR_INPUTS)
+# --linear-inputs (dtypes.LINEAR_INPUTS): "q8" rounds the linears' inputs to 8 bits, llama.cpp's arithmetic
+LINEAR_INPUTS = "float32"
 
 # OpenMP waits of the services `tether up` starts. Passive (no spinning) where the runtime is not GNU's, so that
 # idle threads never starve the other services on the same cores; GNU libgomp's (torch's) threads spin this many

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "it natively and invariantly, else float32 padded (default: %(default)s)")
     p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
                    help="what float32 linears multiply: their inputs as they are, or q8: rounded to 8 bits per group "
-                        "of 32 against the model's GGUF Q4_1 groups in integers, as llama.cpp computes them (~2.5x "
+                        "of 32 against the model's GGUF Q4_1 / Q8_0 groups in integers, as llama.cpp computes them (~2.5x "
                         "faster linears on AVX-512 VNNI; answers differ from float32's by that rounding, still the "
                         "same whatever the batch). Every stage of a pipeline must say the same (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")

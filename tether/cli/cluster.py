@@ -195,6 +195,12 @@ def stage_command(model: str, host: str, port: int, i: int, stages: int, threads
     return argv
 
 
+def linear_inputs_flags(inputs: str) -> list[str]:
+    """The stage flags that ask for `inputs` (dtypes.LINEAR_INPUTS), none for the default: what `tether up`,
+    `tether bench --spawn` and the llama-server bench add to LocalCluster's `extra["stage"]`."""
+    return [] if inputs == settings.LINEAR_INPUTS else ["--linear-inputs", inputs]
+
+
 def coordinator_command(model: str, host: str, port: int, route: list[str]) -> list[str]:
     """`python -m services.coordinator ...` over the stages at `route` (HOST:PORT, in order)."""
     return [sys.executable, "-m", "services.coordinator", "--host", host, "--port", str(port), "--model", model,

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tether import settings
 from tether.model import dtypes
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tether.cli.cluster import LocalCluster
+from tether.cli.cluster import LocalCluster, linear_inputs_flags
 from tether.cli.supervisor import GaveUp, RestartPolicy, RollingRestart, Supervisor
 
 # The demo on the default model (a real instruct model): questions as conversations, rendered by admission with
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per stage (default: the machine's cores divided among all stages)")
     p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
                    help="what the stages' float32 linears multiply: their inputs as they are, or q8: rounded to 8 "
-                        "bits per group against the model's GGUF Q4_1 groups, as llama.cpp computes (faster; other "
+                        "bits per group against the model's GGUF Q4_1 / Q8_0 groups, as llama.cpp computes (faster; other "
                         "answers than float32's) (default: %(default)s)")
     p.add_argument("--demo", action="store_true", help="once up, send a few prompts and print the answers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to come up")
@@ -146,8 +146,8 @@ def service_extra(args: argparse.Namespace) -> dict[str, list[str]]:
     """The flags `tether up` adds to the services' commands: --log-format, the stages' --linear-inputs,
     admission's --tenants."""
     extra = log_format_extra(args.log_format)
-    if args.linear_inputs != settings.LINEAR_INPUTS:
-        extra["stage"] = extra.get("stage", []) + ["--linear-inputs", args.linear_inputs]
+    if inputs := linear_inputs_flags(args.linear_inputs):
+        extra["stage"] = extra.get("stage", []) + inputs
     if args.tenants is not None:
         if not args.tenants.is_file():
             raise SystemExit(f"tether up: --tenants {args.tenants}: no such file")

@@ -23,7 +23,7 @@ from tether.loadtest.options import DEFAULT_CONCURRENCY, DEFAULT_NUM_REQUESTS, B
 from tether.loadtest.results import LevelResult
 from tether.loadtest.runner import Bench
 from tether.loadtest.workloads import WORKLOADS, LongSpec, SharedDocSpec, SyntheticSpec, Workload, parse_mix
-from tether.cli.cluster import LocalCluster
+from tether.cli.cluster import LocalCluster, linear_inputs_flags
 from tether.client import AsyncClient
 from tether.model import dtypes
 
@@ -364,8 +364,8 @@ def cluster_extra(args: argparse.Namespace, prefix_cache: bool) -> dict[str, lis
     extra: dict[str, list[str]] = {}
     if args.stage_kv_tokens is not None:
         extra["stage"] = [STAGE_KV_FLAG, str(args.stage_kv_tokens)]
-    if args.linear_inputs != settings.LINEAR_INPUTS:
-        extra["stage"] = extra.get("stage", []) + ["--linear-inputs", args.linear_inputs]
+    if inputs := linear_inputs_flags(args.linear_inputs):
+        extra["stage"] = extra.get("stage", []) + inputs
     if not prefix_cache:
         extra["coordinator"] = [NO_PREFIX_CACHE]
     if args.route_policy:

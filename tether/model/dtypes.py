@@ -12,7 +12,7 @@ AUTO = "auto"
 NAMES = ("float32", "bfloat16", "float16")
 CHOICES = (AUTO, *NAMES)
 # What a float32 linear multiplies (--linear-inputs): its inputs as they are, or rounded to 8 bits per group of 32
-# against the GGUF file's Q4_1 groups, as llama.cpp computes them (tether/model/rowq8.py). A numerics of its own:
+# against the GGUF file's Q4_1 / Q8_0 groups, as llama.cpp computes them (tether/model/rowq8.py). A numerics of its own:
 # the rule names it, so receipts and the handshake tell it apart.
 LINEAR_INPUTS = ("float32", "q8")
 

@@ -69,7 +69,7 @@ class RowRule:
     # (tether/model/rowlayer.py: a step's layers in one C call, on rowdot and rowattn; its own norm and RoPE).
     layers: str = "modules"
     # What a linear multiplies: "float32" (its inputs as they are) or "q8" (tether/model/rowq8.py: inputs rounded
-    # to 8 bits per group against a GGUF file's Q4_1 groups, llama.cpp's arithmetic; asked for, never probed).
+    # to 8 bits per group against a GGUF file's Q4_1 / Q8_0 groups, llama.cpp's arithmetic; asked for, never probed).
     inputs: str = "float32"
 
     def __post_init__(self) -> None:   # a rule read back from JSON has lists: one spelling, one str()

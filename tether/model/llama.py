@@ -11,6 +11,7 @@ measures this against are tether/model/plain.py, which serving never imports.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,8 @@ from tether.model.invariant import KERNELS, RowRule, invariant_threads, pad_rows
 from tether.model.numerics import name_of, row_rule
 from tether.model.rowattn import RowAttentionPlan
 from tether.model.tiles import AttentionPlan, Scratch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -228,9 +231,12 @@ class ModelSlice(nn.Module):
                              f"--dtype float32 or auto); this machine serves {name_of(self.dtype)} on {self.rows}: "
                              f"leave --linear-inputs at float32")
         self.rows = dataclasses.replace(self.rows, inputs=inputs)
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.inputs = inputs
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.inputs = inputs
+        if inputs != "float32" and not any(m.blocks is not None for m in linears):
+            log.warning("%s linear inputs asked for, but this slice's folder keeps no GGUF groups: its linears keep "
+                        "float32's arithmetic (the rule still names %s)", inputs, inputs)
         self._stack = None
 
     @property

@@ -42,7 +42,7 @@ def load_slice(folder: str | Path, layer_start: int = 0, layer_end: int | None =
     `dtype` ("auto": as tether/model/numerics.py chooses for this machine; the slice's `dtype` says which).
     The services and the reference default to settings.DTYPE; this library call says float32 unless told.
     In float32, a linear whose GGUF groups the folder keeps (tether/model/rowquant.py) gets them, for rowdot to
-    read; with `inputs` "q8" the Q4_1 ones are read with 8-bit inputs (ModelSlice.use_inputs, tether/model/rowq8.py)."""
+    read; with `inputs` "q8" they are read with 8-bit inputs (ModelSlice.use_inputs, tether/model/rowq8.py)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     end = cfg.num_hidden_layers if layer_end is None else layer_end

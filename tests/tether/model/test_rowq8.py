@@ -5,6 +5,8 @@ Skipped where our kernels cannot be built."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,18 @@ def test_q8_inputs_refused_off_rowdot(folder):
     with pytest.raises(ValueError, match="q8"):
         model.use_inputs("bf16")
     if model.rows.linear == "rowdot":
-        model.rows = model.rows.__class__(linear="mkl")
+        model.rows = dataclasses.replace(model.rows, linear="mkl")
     with pytest.raises(ValueError, match="rowdot"):
         model.use_inputs("q8")
+
+
+def test_q8_on_a_folder_without_groups_says_its_linears_stay_float32(caplog):
+    """`tiny` keeps no GGUF groups: q8 asked for changes no product, and the load says so instead of quietly
+    naming numerics it does not compute."""
+    with caplog.at_level("WARNING", logger="tether.model.llama"):
+        model = load_slice(resolve_model("tiny"), inputs="float32")
+        assert not caplog.records
+        if model.rows.linear != "rowdot":
+            pytest.skip(f"this machine serves {model.rows}: q8 needs rowdot")
+        load_slice(resolve_model("tiny"), inputs="q8")
+    assert any("keeps no GGUF groups" in r.getMessage() for r in caplog.records)

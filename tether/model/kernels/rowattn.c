@@ -29,6 +29,10 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return hsum(acc);
 }
 
+/* the first of the row's keys (or values) in block b of its request, for its kv head: the block's keys follow it,
+ * d floats apart (the arena is [blocks][kv_heads][block][d]) */
+#define BLOCK_AT(cache, b) ((cache) + ((table[b] * kv_heads + kvh) * block) * d)
+
 /* o += e_j v_j over the row's keys, one FMA chain per output element in key order: in AVX-512 (where kernels_isa
  * says, d % 16 == 0) 16 elements an instruction, the same chains as 8 in AVX2 */
 static AVX512 void pv512(const float *vc, const int64_t *table, int64_t ctx, int64_t kvh, int64_t kv_heads,
@@ -37,7 +41,7 @@ static AVX512 void pv512(const float *vc, const int64_t *table, int64_t ctx, int
     for (int64_t i = 0; i < d / 16; i++)
         acc[i] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < ctx; j0 += block) {
-        const float *vb = vc + ((table[j0 / block] * kv_heads + kvh) * block) * d;
+        const float *vb = BLOCK_AT(vc, j0 / block);
         int64_t n = ctx - j0 < block ? ctx - j0 : block;
         for (int64_t o = 0; o < n; o++) {
             __m512 e = _mm512_set1_ps(s[j0 + o]);
@@ -49,10 +53,6 @@ static AVX512 void pv512(const float *vc, const int64_t *table, int64_t ctx, int
     for (int64_t i = 0; i < d / 16; i++)
         _mm512_storeu_ps(out + 16 * i, _mm512_div_ps(acc[i], lv));
 }
-
-/* the first of the row's keys (or values) in block b of its request, for its kv head: the block's keys follow it,
- * d floats apart (the arena is [blocks][kv_heads][block][d]) */
-#define BLOCK_AT(cache, b) ((cache) + ((table[b] * kv_heads + kvh) * block) * d)
 
 void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
                     int64_t kvh, int64_t kv_heads, int64_t d, int64_t block, float scale, float *s, float *out) {

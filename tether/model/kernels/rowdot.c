@@ -150,8 +150,8 @@ void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, floa
 }
 
 /* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed in `format`
- * (rowdot_pack's fp32 blocks or rowquant.c's), on `threads` threads:
- * each takes a contiguous share of the column blocks (in fours, the one-row tile's width), and every block is
+ * (rowdot_pack's fp32 blocks, rowquant.c's or rowq8.c's), on `threads` threads:
+ * each takes a contiguous share of the column blocks (rows_share), and every block is
  * computed the same way whoever computes it. OpenMP here is torch's own libgomp (the same soname, already
  * loaded when this library is), so the threads are the pool torch's ops use on the calling thread. */
 void rowdot(const float *x, int64_t ldx, const void *data, int64_t format, int64_t k, float *y, int64_t ldy,

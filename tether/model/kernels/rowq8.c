@@ -77,6 +77,12 @@ typedef struct {
     int32_t *sum;   /* sum(qx) per group (Q8_0's unsigned operand takes 128 of them back) */
 } qrows;
 
+/* rows r0.. of `x` (k inputs a row) */
+static inline qrows rows_from(const qrows *x, int64_t r0, int64_t k) {
+    int64_t groups = k / GROUP;
+    return (qrows){x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups, x->sum + r0 * groups};
+}
+
 static int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -277,12 +283,12 @@ tile512(const int64_t F, const int R, const qrows *x, int64_t k, const uint8_t *
 static inline VNNI __attribute__((always_inline)) void
 span512(const int64_t F, const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy,
         int64_t n, int64_t b0, int64_t b1, int act) {
-    int64_t stride = (k / GROUP) * RECORD(F), groups = k / GROUP;
+    int64_t stride = (k / GROUP) * RECORD(F);
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *wb = data + b * stride;
         int64_t col = b * BLOCK;
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups, x->sum + r0 * groups};
+            qrows xr = rows_from(x, r0, k);
             float *yr = y + r0 * ldy;
             switch (m - r0 < MAX_ROWS ? (int)(m - r0) : MAX_ROWS) {
             CASE512(8) CASE512(7) CASE512(6) CASE512(5) CASE512(4) CASE512(3) CASE512(2)
@@ -308,10 +314,10 @@ VNNI static void span512_q8(const qrows *x, int64_t m, int64_t k, const uint8_t 
 static inline __attribute__((always_inline)) void
 span2(const int64_t F, const qrows *x, int64_t m, int64_t k, const uint8_t *data, float *y, int64_t ldy, int64_t n,
       int64_t b0, int64_t b1, int act) {
-    int64_t stride = (k / GROUP) * RECORD(F), groups = k / GROUP;
+    int64_t stride = (k / GROUP) * RECORD(F);
     for (int64_t b = b0; b < b1; b++)
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS2) {
-            qrows xr = {x->q + r0 * k, x->d + r0 * groups, x->s + r0 * groups, x->sum + r0 * groups};
+            qrows xr = rows_from(x, r0, k);
             const uint8_t *wb = data + b * stride;
             float *yr = y + r0 * ldy;
             int64_t col = b * BLOCK;

@@ -37,8 +37,9 @@ store16(float *y, int64_t col, int64_t n, __m512 v, int act) {
     store_cols(y, col, n, _mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1), act);
 }
 
-/* A projection's weight as the kernels read it: rowdot's fp32 blocks, or rowquant.c's blocks of a GGUF file's
- * Q4_1 / Q8_0 groups, whose fp32 values the kernel rebuilds exactly as the conversion did (tether/model/rowquant.py). */
+/* A projection's weight as the kernels read it: rowdot's fp32 blocks, rowquant.c's blocks of a GGUF file's
+ * Q4_1 / Q8_0 groups, whose fp32 values the kernel rebuilds exactly as the conversion did (tether/model/rowquant.py),
+ * or rowq8.c's of the same groups, read against 8-bit inputs (*_Q8, tether/model/rowq8.py). */
 enum { WEIGHT_F32 = 0, WEIGHT_Q4_1 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4_1_Q8 = 3, WEIGHT_Q8_0_Q8 = 4 };
 typedef struct {
     const void *data;
