@@ -63,6 +63,21 @@ CMAKE_OPTIONS = (
     "-DBUILD_SHARED_LIBS=OFF",
 )
 
+# What each instruction-set choice builds: "native" is -march=native; "avx2" keeps ggml to AVX2 / FMA / F16C on
+# a CPU that has more (an AVX2-only CPU's llama-server measured on this one, beside tether's kernels kept to AVX2).
+ISAS = ("native", "avx2")
+AVX2_OPTIONS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
+
+
+def cmake_options(isa: str = "native") -> tuple[str, ...]:
+    """CMAKE_OPTIONS for an instruction-set choice (ISAS)."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
+    if isa == "native":
+        return CMAKE_OPTIONS
+    return tuple(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_NATIVE=")) + AVX2_OPTIONS
+
 
 class Unavailable(RuntimeError):
     """llama-server cannot be built or run here; the message says why."""
@@ -80,9 +95,9 @@ def cache_key(flags: Iterable[str], options: Iterable[str] = CMAKE_OPTIONS, vers
     return f"{version}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def binary_path(flags: Iterable[str] | None = None, home: Path | None = None) -> Path:
-    """Where the binary for this CPU is (or will be) cached."""
-    key = cache_key(cpu_flags() if flags is None else flags)
+def binary_path(flags: Iterable[str] | None = None, home: Path | None = None, isa: str = "native") -> Path:
+    """Where the binary for this CPU (and instruction-set choice) is (or will be) cached."""
+    key = cache_key(cpu_flags() if flags is None else flags, cmake_options(isa))
     return (home or tether_home()) / "llama-server" / key / "llama-server"
 
 
@@ -97,8 +112,9 @@ def missing_tools() -> str:
     return f"missing {', '.join(missing)} to build llama-server" if missing else ""
 
 
-def configure_command(source: Path, build: Path, generator: str | None) -> list[str]:
-    return ["cmake", "-S", str(source), "-B", str(build), *(["-G", generator] if generator else []), *CMAKE_OPTIONS]
+def configure_command(source: Path, build: Path, generator: str | None, isa: str = "native") -> list[str]:
+    return ["cmake", "-S", str(source), "-B", str(build), *(["-G", generator] if generator else []),
+            *cmake_options(isa)]
 
 
 def build_command(build: Path, jobs: int) -> list[str]:
@@ -114,10 +130,11 @@ def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
         raise Unavailable(f"{' '.join(cmd[:3])} ... failed with status {done.returncode} (log: {log.name})")
 
 
-def build(jobs: int = 2, python: str = sys.executable, quiet: bool = False) -> Path:
-    """The cached llama-server for this CPU, built now if absent: the pinned sdist downloaded with pip (a source
-    archive only, never built by pip), unpacked, llama.cpp configured and built. Raises Unavailable."""
-    path = binary_path()
+def build(jobs: int = 2, python: str = sys.executable, quiet: bool = False, isa: str = "native") -> Path:
+    """The cached llama-server for this CPU and `isa` (ISAS), built now if absent: the pinned sdist downloaded
+    with pip (a source archive only, never built by pip), unpacked, llama.cpp configured and built. Raises
+    Unavailable."""
+    path = binary_path(isa=isa)
     if path.is_file() and os.access(path, os.X_OK):
         return path
     why = missing_tools()
@@ -140,8 +157,8 @@ def build(jobs: int = 2, python: str = sys.executable, quiet: bool = False) -> P
             raise Unavailable(f"the sdist has no vendor/llama.cpp ({source})")
         out = tmp_dir / "build"
         generator = "Ninja" if shutil.which("ninja") else None
-        say(f"llama-server: configuring llama.cpp ({' '.join(CMAKE_OPTIONS)}) ...")
-        _run(configure_command(source, out, generator), log)
+        say(f"llama-server: configuring llama.cpp ({' '.join(cmake_options(isa))}) ...")
+        _run(configure_command(source, out, generator, isa), log)
         say(f"llama-server: building with {jobs} job(s); this takes a while ...")
         t0 = time.monotonic()
         _run(build_command(out, jobs), log)
@@ -229,15 +246,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or find) the cached binary and print its path")
-    b.add_argument("--jobs", type=int, default=2)
     s = sub.add_parser("serve", help="start llama-server on smollm2's GGUF until Ctrl-C")
-    s.add_argument("--jobs", type=int, default=2)
+    for q in (b, s):
+        q.add_argument("--jobs", type=int, default=2)
+        q.add_argument("--isa", choices=ISAS, default="native",
+                       help="native: -march=native; avx2: ggml kept to AVX2/FMA/F16C (default: %(default)s)")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--np", type=int, default=1, help="parallel slots")
     s.add_argument("--gguf", type=Path, default=None, help="default: smollm2's (tether/model/smollm2.py)")
     args = p.parse_args()
     try:
-        binary = build(args.jobs)
+        binary = build(args.jobs, isa=args.isa)
     except Unavailable as e:
         print(f"llama_server: skipped: {e}", file=sys.stderr)
         sys.exit(SKIP)

@@ -191,6 +191,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
+    p.add_argument("--isa", choices=llama_server.ISAS, default="native",
+                   help="native: each side uses what the CPU has; avx2: both keep to AVX2 (llama-server built "
+                        "without AVX-512, tether's kernels with %s=avx2): an AVX2-only CPU's code on this one "
+                        "(its memory and clocks stay this machine's) (default: %%(default)s)" % settings.KERNELS_ISA_ENV)
     args = p.parse_args()
     # `kill PID` unwinds like Ctrl-C (a background job ignores SIGINT): the cluster and llama-server are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -207,7 +211,9 @@ def main() -> None:
     threads = args.stages * stage_threads
 
     try:
-        binary = llama_server.build(args.jobs)
+        binary = llama_server.build(args.jobs, isa=args.isa)
+        if args.isa == "avx2":   # the stages, and the kernels report below, inherit it
+            os.environ[settings.KERNELS_ISA_ENV] = "avx2"
     except llama_server.Unavailable as e:
         print(f"llama_server_vs_tether: skipped: {e}", file=sys.stderr)
         sys.exit(llama_server.SKIP)
@@ -224,10 +230,10 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 command=" ".join([sys.executable, *sys.argv]), cores=os.cpu_count(), platform=platform.platform(),
                 cpu_flags=flags, llama_server=str(binary), llama_cpp_python=llama_server.VERSION,
-                cmake_options=list(llama_server.CMAKE_OPTIONS), gguf=str(gguf), stages=args.stages,
-                stage_threads=stage_threads, llama_threads=threads)
+                cmake_options=list(llama_server.cmake_options(args.isa)), gguf=str(gguf), stages=args.stages,
+                stage_threads=stage_threads, llama_threads=threads, isa=args.isa)
     print(f"{meta['date']}: tether {args.stages} stage(s) x {stage_threads} thread(s) vs llama-server -t {threads}; "
-          f"CPU flags: {' '.join(flags)}", flush=True)
+          f"CPU flags: {' '.join(flags)}; instruction sets: {args.isa}", flush=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
         logs = Path(tmp)

@@ -97,6 +97,10 @@ def library() -> ctypes.CDLL:
     lib.rownorm.restype = None
     lib.rowlayers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32]
     lib.rowlayers.restype = None
+    isa = os.environ.get(settings.KERNELS_ISA_ENV, "native")
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"{settings.KERNELS_ISA_ENV}={isa!r}: say avx2 (keep to AVX2) or native (what the CPU has)")
+    lib.kernels_isa(0 if isa == "avx2" else 1)   # 1: AVX-512 where cpuid has it (set either way: one library a process)
     return lib
 
 
@@ -105,8 +109,11 @@ def describe() -> str:
     why = available()
     if why is not None:
         return f"not used ({why})"
-    wide = library().kernels_isa(-1)
-    return "built (AVX2, FMA, F16C" + ("; linears' tiles in AVX-512)" if wide else ")")
+    lib = library()
+    wide, vnni = lib.kernels_isa(-1), lib.rowq8_isa()
+    capped = os.environ.get(settings.KERNELS_ISA_ENV) == "avx2"
+    return "built (AVX2, FMA, F16C" + ("; AVX-512 tiles" + ("; q8 in VNNI" if vnni else "") if wide else "") + \
+        (f"; AVX-512 off: {settings.KERNELS_ISA_ENV}=avx2)" if capped else ")")
 
 
 def available() -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import llama_server
 from bench.llama_server_vs_tether import chat_body
 
@@ -49,6 +51,22 @@ def test_build_and_configure_commands_stay_offline():
         assert option in cmd
     assert "-G" not in llama_server.configure_command(Path("/src"), Path("/b"), None)
     assert llama_server.build_command(Path("/b"), 2) == ["cmake", "--build", "/b", "--target", "llama-server", "-j", "2"]
+
+
+def test_an_avx2_build_keeps_ggml_to_avx2_and_is_cached_apart(tmp_path):
+    """--isa avx2: no -march=native, AVX-512 off, AVX2/FMA/F16C on, everything else as the native build; its own
+    cache folder, so the native binary is never taken for it (or the other way round)."""
+    native, avx2 = llama_server.cmake_options("native"), llama_server.cmake_options("avx2")
+    assert native == llama_server.CMAKE_OPTIONS
+    assert "-DGGML_NATIVE=ON" not in avx2 and {"-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX2=ON",
+                                                 "-DGGML_FMA=ON", "-DGGML_F16C=ON"} <= set(avx2)
+    assert set(native) - {"-DGGML_NATIVE=ON"} <= set(avx2)
+    cmd = llama_server.configure_command(Path("/src"), Path("/b"), None, "avx2")
+    assert "-DGGML_AVX512=OFF" in cmd and "-DGGML_NATIVE=ON" not in cmd
+    flags = AVX512.split()
+    assert llama_server.binary_path(flags, home=tmp_path, isa="avx2") != llama_server.binary_path(flags, home=tmp_path)
+    with pytest.raises(ValueError, match="avx2"):
+        llama_server.cmake_options("avx512")
 
 
 def test_missing_tools_names_what_is_missing(monkeypatch):

@@ -130,6 +130,28 @@ def test_turned_off_they_are_unavailable_and_the_probe_chooses_without_them(monk
     assert numerics.servable_rule(cfg, torch.float32).linear == "rowdot"
 
 
+def test_kept_to_avx2_by_the_environment_and_a_wrong_value_refused(monkeypatch):
+    """TETHER_KERNELS_ISA=avx2 (an AVX2-only CPU's kernels measured on this one) turns every AVX-512 path off and
+    says so; native gives back what cpuid finds; anything else is refused with the values it takes."""
+    from tether import settings
+    native.library.cache_clear()
+    has512 = native.library().kernels_isa(1)
+    try:
+        monkeypatch.setenv(settings.KERNELS_ISA_ENV, "avx2")
+        native.library.cache_clear()
+        lib = native.library()
+        assert lib.kernels_isa(-1) == 0 and lib.rowq8_isa() == 0
+        assert "AVX-512 off" in native.describe()
+        monkeypatch.setenv(settings.KERNELS_ISA_ENV, "avx512")
+        native.library.cache_clear()
+        with pytest.raises(ValueError, match="avx2"):
+            native.library()
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library().kernels_isa(-1) == has512 and "AVX-512 off" not in native.describe()
+
+
 @pytest.mark.parametrize("inner, outer", [(576, 576), (1536, 576), (100, 37), (33, 17)])
 def test_the_avx512_tiles_give_the_avx2_bits(inner, outer):
     """Where the CPU has AVX-512, rows past one run on its tiles (12 rows a block, or 6 on two blocks): every
