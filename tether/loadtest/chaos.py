@@ -125,10 +125,15 @@ def parse_plan(text: str) -> ChaosPlan:
                      delay_ms=cfg.delay_ms if "delay_ms" in params else None, hold_ms=cfg.hold_ms)
 
 
-def cluster_flags(plan: ChaosPlan, kind: str, checks: str) -> dict[str, list[str]]:
-    """The per-service flags (LocalCluster `extra`) of the run of `kind` with the checks `on` or `off`."""
+def cluster_flags(plan: ChaosPlan, kind: str, checks: str,
+                  base: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """The per-service flags (LocalCluster `extra`) of the run of `kind` with the checks `on` or `off`, after
+    the bench's own (`base`: e.g. the stages' --linear-inputs, which the audit's reference computes in too)."""
     unsafe = [UNSAFE_FLAG] if checks == "off" else []
-    return {"stage": ["--faults", plan.spec(kind), *unsafe], "coordinator": [*COORDINATOR_FLAGS, *unsafe]}
+    extra = {name: list(flags) for name, flags in (base or {}).items()}
+    extra["stage"] = [*extra.get("stage", []), "--faults", plan.spec(kind), *unsafe]
+    extra["coordinator"] = [*extra.get("coordinator", []), *COORDINATOR_FLAGS, *unsafe]
+    return extra
 
 
 # --- counters --------------------------------------------------------------------------------------------------
@@ -341,11 +346,12 @@ class StageSupervisor:
                     return
 
 
-def run_spawned(bench, plan: ChaosPlan, log_root: Path) -> dict:
+def run_spawned(bench, plan: ChaosPlan, log_root: Path, base: dict[str, list[str]] | None = None) -> dict:
     """Every kind of `plan` alone, checks on then off, each on a fresh cluster; the report's `chaos` dict.
 
     `bench` is the run's `runner.Bench`: its options give model, stages, threads, workload and load, and its
-    records receive the chaos requests (level `chaos KIND checks on|off`, audited)."""
+    records receive the chaos requests (level `chaos KIND checks on|off`, audited). `base`: the per-service
+    flags of the bench's own cluster, which every chaos cluster starts with too."""
     from tether.loadtest import baselines
     from tether.loadtest.runner import AUDIT_THREADS
     from tether.cli.cluster import LocalCluster
@@ -359,7 +365,7 @@ def run_spawned(bench, plan: ChaosPlan, log_root: Path) -> dict:
             label = f"chaos {kind} checks {checks}"
             log_dir = log_root / f"chaos-{kind}-checks-{checks}"
             cluster = LocalCluster(model=o.model, stages=o.stages, threads=o.stage_threads,
-                                   log_dir=log_dir, extra=cluster_flags(plan, kind, checks))
+                                   log_dir=log_dir, extra=cluster_flags(plan, kind, checks, base))
             try:
                 cluster.start(timeout=300)
             except (TimeoutError, RuntimeError, ValueError) as e:

@@ -554,7 +554,8 @@ def main(argv: list[str] | None = None) -> None:
         kinds = ", ".join(f"{k}={r:g}" for k, r in args.chaos.rates.items())
         print(f"chaos: {kinds}; each alone on a fresh cluster, stamp checks on then off ...", file=sys.stderr,
               flush=True)
-        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs")
+        rep["chaos"] = chaos.run_spawned(bench, args.chaos, args.out / "logs",
+                                         cluster_extra(args, not args.no_prefix_cache))
         records = bench.records
     files = report.write_all(rep, records, args.out)
     print_summary(rep, files)

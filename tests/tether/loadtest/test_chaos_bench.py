@@ -78,6 +78,22 @@ def test_unsafe_switch_only_on_the_checks_off_run():
     assert off["coordinator"] == on["coordinator"] + [chaos.UNSAFE_FLAG]
 
 
+def test_chaos_clusters_start_with_the_bench_clusters_flags():
+    """`tether bench --spawn --linear-inputs q8 --chaos`: every chaos cluster's stages compute in q8 too (the audit's
+    reference does; before, they served float32 and the audit counted their answers wrong), after the bench's own
+    flags the faults; the base is not modified."""
+    from tether.loadtest.cli import cluster_extra
+    args = build_parser().parse_args(["--spawn", "--chaos", "--linear-inputs", "q8", "--route-policy", "least-loaded"])
+    base = cluster_extra(args, prefix_cache=False)
+    before = {k: list(v) for k, v in base.items()}
+    plan = chaos.parse_plan("drop=0.1")
+    got = chaos.cluster_flags(plan, "drop", "off", base)
+    assert got["stage"][:2] == ["--linear-inputs", "q8"] and got["stage"][2:] == [
+        *chaos.cluster_flags(plan, "drop", "off")["stage"]]
+    assert got["coordinator"][0] == "--no-prefix-cache" and got["admission"] == ["--route-policy", "least-loaded"]
+    assert base == before
+
+
 def test_against_a_running_cluster_chaos_needs_the_coordinator():
     args = build_parser().parse_args(["--chaos"])
     with pytest.raises(SystemExit, match="needs --coordinator"):
