@@ -67,6 +67,35 @@ def test_rows_equal_the_reference_arithmetic_bit_for_bit(kind, out, inner):
         torch.set_num_threads(before)
 
 
+def test_the_largest_integer_sums_stay_exact():
+    """Every Q4_1 nibble 15 against inputs of +-127 (the most a group's int16 lanes hold before widening: 8 x 3,810
+    on AVX2) and against a group that alternates them: the reference's exact integers on every path."""
+    out, inner = 48, 96
+    raw = np.zeros((out, inner // 32, 20), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)   # d
+    raw[:, :, 2:4] = np.frombuffer(np.float16(-1.0).tobytes(), dtype=np.uint8)  # m
+    raw[:, :, 4:] = 0xFF
+    raw[1::2, 1, 4:] = 0x0F   # some columns' second group: low nibbles 15, high 0
+    blocks = rowquant.Blocks("q4_1", torch.from_numpy(raw.reshape(out, -1)))
+    x = torch.ones(6, inner) * 3.0
+    x[1] = -3.0
+    x[2, ::2] = -3.0
+    x[3, :32] = 0
+    x[4] = torch.arange(inner) % 7 - 3.0
+    x[5, 1::2] = -3.0
+    packed = rowq8.pack(blocks, out, inner)
+    want = rowq8.reference(x, blocks)
+    assert torch.equal(want[0, :1], torch.tensor([inner * (15 * 0.5 * 3.0 - 3.0)]))   # 15 * d * x + m * x
+    lib = native.library()
+    try:
+        for isa in isas():
+            lib.kernels_isa(isa)
+            for a, b in ((0, 1), (1, 2), (0, 4), (0, 6)):
+                assert torch.equal(rowdot.linear(x[a:b], packed), want[a:b]), (isa, a, b)
+    finally:
+        lib.kernels_isa(1)
+
+
 @pytest.mark.parametrize("kind", TYPES)
 def test_silu_rows_are_the_same_on_every_path(kind):
     _, blocks = file_blocks(200, 576, 3, kind)
