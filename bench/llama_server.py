@@ -33,6 +33,7 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
+from tether import settings
 from tether.model.numerics import cpu_flags
 from tether.model.presets import tether_home
 from tether.loadtest.server_process import ServerProcess
@@ -65,7 +66,7 @@ CMAKE_OPTIONS = (
 
 # What each instruction-set choice builds: "native" is -march=native; "avx2" keeps ggml to AVX2 / FMA / F16C on
 # a CPU that has more (an AVX2-only CPU's llama-server measured on this one, beside tether's kernels kept to AVX2).
-ISAS = ("native", "avx2")
+ISAS = settings.KERNELS_ISAS
 AVX2_OPTIONS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                 "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
 

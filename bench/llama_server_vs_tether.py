@@ -212,11 +212,10 @@ def main() -> None:
 
     try:
         binary = llama_server.build(args.jobs, isa=args.isa)
-        if args.isa == "avx2":   # the stages, and the kernels report below, inherit it
-            os.environ[settings.KERNELS_ISA_ENV] = "avx2"
     except llama_server.Unavailable as e:
         print(f"llama_server_vs_tether: skipped: {e}", file=sys.stderr)
         sys.exit(llama_server.SKIP)
+    os.environ[settings.KERNELS_ISA_ENV] = args.isa   # the stages and the kernels report below inherit it, either way
 
     from tether.cli.cluster import LocalCluster, linear_inputs_flags
     from tether.model import smollm2

@@ -147,6 +147,7 @@ NATIVE_KERNELS_ENV = "TETHER_NATIVE_KERNELS"   # "0": never build or use our C k
 # "avx2": our C kernels keep to AVX2 where the CPU has AVX-512 (the same bits by construction): an AVX2-only CPU's
 # kernels measured on this one (bench/llama_server_vs_tether.py --isa avx2); "native" (or unset): what cpuid finds
 KERNELS_ISA_ENV = "TETHER_KERNELS_ISA"
+KERNELS_ISAS = ("native", "avx2")
 # "1": a LocalCluster forks its services from fork servers that imported torch (stages) or gRPC and telemetry
 # (coordinator, admission) once (tether/forkserver/), not a fresh interpreter each; the tests set it (a stage's
 # start saves ~5 CPU-s of import on a 2-core AMD EPYC without AVX-512).

@@ -47,6 +47,9 @@ def library() -> ctypes.CDLL:
     edit rebuilds), loaded once per process."""
     if os.environ.get(settings.NATIVE_KERNELS_ENV) == "0":
         raise Unavailable(f"turned off ({settings.NATIVE_KERNELS_ENV}=0)")
+    isa = os.environ.get(settings.KERNELS_ISA_ENV, "native")
+    if isa not in settings.KERNELS_ISAS:   # a setting's mistake, not a machine without the kernels: said, not skipped
+        raise ValueError(f"{settings.KERNELS_ISA_ENV}={isa!r}: say avx2 (keep to AVX2) or native (what the CPU has)")
     if not _cpu_has():
         raise Unavailable(f"the CPU lacks {', '.join(sorted(NEEDS))}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -97,9 +100,6 @@ def library() -> ctypes.CDLL:
     lib.rownorm.restype = None
     lib.rowlayers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32]
     lib.rowlayers.restype = None
-    isa = os.environ.get(settings.KERNELS_ISA_ENV, "native")
-    if isa not in ("native", "avx2"):
-        raise ValueError(f"{settings.KERNELS_ISA_ENV}={isa!r}: say avx2 (keep to AVX2) or native (what the CPU has)")
     lib.kernels_isa(0 if isa == "avx2" else 1)   # 1: AVX-512 where cpuid has it (set either way: one library a process)
     return lib
 
