@@ -59,12 +59,15 @@ lint: $(STAMP) proto  ## ruff (a small rule set that finds bugs) and mypy (servi
 # ~16% idle and three leave it ~4% (pytest 465-643 s with three, quiet machine; with the fork servers, on an AMD
 # EPYC without AVX-512: 543 s with three, 578 s with four). TEST_WORKERS=0 runs everything
 # in this process (a debugger, or -x on the first failure). The last line is the whole command's wall time, from
-# make's start: venv, packages, model and lint included. `make lint` runs first.
+# make's start: venv, packages, model and lint included. `make lint` runs first. Failures print Python's own
+# tracebacks (--tb=native): pytest's long form parses each frame's source with `ast`, which on CPython 3.11.7 can
+# raise "SystemError: AST constructor recursion depth mismatch" (cpython gh-106905), and that turned one failing
+# test into an INTERNALERROR that stopped the whole run without naming it (a fresh clone's run, 2026-12-06).
 TEST_WORKERS ?= 3
 MAKE_STARTED := $(shell date +%s)
 test: setup lint  ## lint and types first (they fail it), then the whole suite (unit + services on loopback) in TEST_WORKERS processes, longest files first; prints its wall time
 	@$(BIN)/python -m compileall -q -j 0 tether services tests bench > /dev/null   # our own byte code, as BYTECODE
-	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
+	@$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 --tb=native; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - $(MAKE_STARTED) )) s wall from make's start (setup included), exit $$rc"; exit $$rc
 
 # On the default model (SmolLM2-135M), 2 stages: this machine's 2 cores saturate near 0.3 req/s, so the sweep stays low.
