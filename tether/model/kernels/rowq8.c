@@ -169,6 +169,7 @@ tile2(const int64_t F, const int R, const qrows *x, int64_t k, const uint8_t *wb
             for (int t = 0; t < 4; t++) {
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t));
                 __m256i v1 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t + 32));
+                __asm__ volatile("" : "+x"(v0), "+x"(v1));
                 __m256i a0 = _mm256_and_si256(v0, low), b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
                 __m256i a1 = _mm256_and_si256(v1, low), b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
                 for (int r = 0; r < R; r++) {
@@ -178,6 +179,7 @@ tile2(const int64_t F, const int R, const qrows *x, int64_t k, const uint8_t *wb
                                                                        _mm256_maddubs_epi16(b0, sb)));
                     shi[r] = _mm256_add_epi16(shi[r], _mm256_add_epi16(_mm256_maddubs_epi16(a1, sa),
                                                                        _mm256_maddubs_epi16(b1, sb)));
+                    __asm__ volatile("" : "+x"(slo[r]), "+x"(shi[r]));
                 }
             }
             for (int r = 0; r < R; r++) {
@@ -188,10 +190,12 @@ tile2(const int64_t F, const int R, const qrows *x, int64_t k, const uint8_t *wb
             for (int t = 0; t < 8; t++) {
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t));
                 __m256i v1 = _mm256_loadu_si256((const __m256i *)(qs + 64 * t + 32));
+                __asm__ volatile("" : "+x"(v0), "+x"(v1));
                 for (int r = 0; r < R; r++) {
                     __m256i sa = _mm256_set1_epi32(x4(x->q + r * k + g * GROUP + 4 * t));
                     ilo[r] = q8_dot2(ilo[r], v0, sa);
                     ihi[r] = q8_dot2(ihi[r], v1, sa);
+                    __asm__ volatile("" : "+x"(ilo[r]), "+x"(ihi[r]));
                 }
             }
         }
