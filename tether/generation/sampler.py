@@ -67,7 +67,7 @@ def _estimated_floor(probs: torch.Tensor, top_p: float) -> float:
     """A value such that the entries at or above it hold about `top_p` of the row's mass: the mass per bucket of
     values (the float64's exponent and top mantissa bits, which order like the values themselves), summed from
     the largest bucket down until it reaches top_p; the floor is that bucket's lower edge, one bucket lower for
-    the float noise of these sums. Only a guess: `nucleus_drop` checks it exactly and lowers it when short."""
+    the float noise of these sums. Only a guess: `nucleus_kept` checks it exactly and lowers it when short."""
     # entries below 1e-30 (and zeros) share the lowest bucket
     keys = probs.clamp(min=1e-30).contiguous().view(torch.int64) >> BUCKET_SHIFT
     low = int(keys.min())
@@ -79,67 +79,104 @@ def _estimated_floor(probs: torch.Tensor, top_p: float) -> float:
     return float(torch.tensor([bucket << BUCKET_SHIFT]).view(torch.float64)[0])
 
 
-def nucleus_drop(probs: torch.Tensor, top_p: float, first: float | None = None) -> torch.Tensor:
-    """The entries of one row of probabilities [vocab] that top-p drops, exactly as `filtered_probs` finds them
-    (a stable descending sort of the whole row, its cumulative sum) but sorting only the largest entries: every
-    entry at or above a floor value are the first of that sort in the same order (a stable sort keeps index
-    order among ties, and all of them come before every smaller entry), so their cumulative sums are the same
-    floats (CPU cumsum adds in order), and once those reach top_p every later entry is dropped (adding
-    non-negative floats never lowers a sum). The floor: the NUCLEUS_FIRST-th largest entry, else an estimate
-    from the row's mass (`_estimated_floor`), halved until the entries above it reach top_p, or zero (every
-    positive entry). 49,152 entries: ~20x faster than the whole sort for a peaked row, ~2-4x for a flat one.
-    `first`: the NUCLEUS_FIRST-th largest entry where the caller found it already (`filtered_rows`, all rows in
-    one topk)."""
-    vocab = probs.numel()
-    if first is None:
-        first = float(torch.topk(probs, NUCLEUS_FIRST).values[-1]) if vocab > NUCLEUS_FIRST else 0.0
-    floor, estimated = first, False
+def nucleus_kept(probs: torch.Tensor, top_p: float, first: float | None = None,
+                 within: torch.Tensor | None = None) -> torch.Tensor:
+    """The indices (ascending) of the entries of one row of probabilities [vocab] that top-p keeps, exactly as
+    `filtered_probs` finds them (a stable descending sort of the whole row, its cumulative sum) but sorting only
+    the largest entries: every entry at or above a floor value are the first of that sort in the same order (a
+    stable sort keeps index order among ties, and all of them come before every smaller entry), so their
+    cumulative sums are the same floats (CPU cumsum adds in order), and once those reach top_p every later entry
+    is dropped (adding non-negative floats never lowers a sum). Any floor is exact; a good one is only faster:
+    the NUCLEUS_FIRST-th largest entry, else an estimate of where the row's mass reaches top_p
+    (`_estimated_floor`), lowered until the entries above it reach top_p, or zero (every positive entry).
+    `first`: a floor the caller found already (`_kept_rows`: the entry at the NUCLEUS_FIRST-th largest logit).
+    `within`: ascending indices holding every positive entry (a top-k row's survivors), sorted alone."""
+    candidates: torch.Tensor | None = within
+    if within is not None:
+        floor, estimated = 0.0, True
+    else:
+        if first is None:
+            first = float(torch.topk(probs, NUCLEUS_FIRST).values[-1]) if probs.numel() > NUCLEUS_FIRST else 0.0
+        floor, estimated = first, False
     while True:
         whole = floor <= 0
         # a zero floor: every positive entry is in; zeros sort last and stay zero whatever top-p says
-        candidates = torch.nonzero(probs > 0 if whole else probs >= floor).flatten()
+        if candidates is None:
+            candidates = torch.nonzero(probs > 0 if whole else probs >= floor).flatten()
         values = probs[candidates]
         sorted_p, order = torch.sort(values, descending=True, stable=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         if whole or float(cum[-1]) >= top_p:
-            drop = torch.ones(vocab, dtype=torch.bool)
-            drop[candidates[order]] = (cum - sorted_p) >= top_p
-            return drop
+            keep = torch.empty_like(order, dtype=torch.bool)
+            keep[order] = (cum - sorted_p) < top_p
+            return candidates[keep]   # ascending, as `candidates` are
         floor = floor / 2 ** 4 if estimated else min(_estimated_floor(probs, top_p), floor)
-        estimated = True
+        estimated, candidates = True, None
         if floor < 1e-300:
             floor = 0.0
 
 
-def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> torch.Tensor:
+Kept = tuple[torch.Tensor | None, torch.Tensor]   # (ascending indices, their probabilities), or (None, whole row)
+
+
+def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> list[Kept]:
     """`filtered_probs` of every row of `logits` [rows, vocab] with its own parameters (every temperature > 0),
-    bit for bit, in a few batched ops: temperature and softmax over all rows at once, the top-k thresholds of the
-    rows that have one from one `topk` of the largest k (the same values a sort gives), top-p by `nucleus_drop`."""
+    bit for bit, as the entries each row keeps: (indices, float64 probabilities), or (None, the whole row) where
+    nothing is filtered. Temperature and softmax over all rows at once, the rest only where an entry can be kept:
+    - top-k's k-th largest value from one `topk` of the float32 logits (x = logits / T does not decrease as the
+      logit grows, so the k-th largest x is x at the k-th largest logit), the survivors those at or above it;
+    - top-p by `nucleus_kept`, its first floor the probability at the NUCLEUS_FIRST-th largest logit (any floor
+      is exact), a top-k row's survivors sorted alone;
+    - top-p's renormalising sum over the whole row with the dropped entries zero, as `filtered_probs` takes it
+      (the same reduction of the same floats), each kept entry divided by it (a division rounds per entry)."""
     vocab = logits.shape[-1]
     x = logits.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
-    cut = [(r, p.top_k) for r, p in enumerate(params) if 0 < p.top_k < vocab]
+    within: dict[int, torch.Tensor] = {}
+    cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
     if cut:
-        # the k-th largest value of each row that has a top-k (topk's last value): everything below it is out
-        rows = torch.tensor([r for r, _ in cut])
-        xs = x[rows]
-        largest = torch.topk(xs, max(k for _, k in cut), dim=-1).values
-        kth = largest.gather(1, torch.tensor([k - 1 for _, k in cut])[:, None])
-        x[rows] = xs.masked_fill(xs < kth, float("-inf"))
+        at = torch.topk(logits[cut], max(params[r].top_k for r in cut), dim=-1).indices
+        for i, r in enumerate(cut):
+            drop = x[r] < x[r, at[i, params[r].top_k - 1]]
+            x[r].masked_fill_(drop, float("-inf"))
+            within[r] = torch.nonzero(~drop).flatten()
     probs = torch.softmax(x, dim=-1)
     nucleus = [r for r, p in enumerate(params) if 0 < p.top_p < 1]
-    if nucleus:
-        firsts = torch.topk(probs[nucleus], NUCLEUS_FIRST, dim=-1).values[:, -1].tolist() \
-            if vocab > NUCLEUS_FIRST else [0.0] * len(nucleus)
-        for r, first in zip(nucleus, firsts):
-            row = probs[r].masked_fill(nucleus_drop(probs[r], params[r].top_p, first), 0.0)
-            probs[r] = row / row.sum()
-    return probs
+    wide = [r for r in nucleus if r not in within]
+    firsts: dict[int, float] = {}
+    if wide and vocab > NUCLEUS_FIRST:
+        at = torch.topk(logits[wide], NUCLEUS_FIRST, dim=-1).indices
+        firsts = {r: float(probs[r, at[i]].min()) for i, r in enumerate(wide)}
+    out: list[Kept] = []
+    for r, p in enumerate(params):
+        if r in nucleus:
+            kept = nucleus_kept(probs[r], p.top_p, firsts.get(r, 0.0), within.get(r))
+            row = torch.zeros(vocab, dtype=torch.float64)
+            row[kept] = probs[r, kept]
+            out.append((kept, row[kept] / row.sum()))
+        elif r in within:
+            out.append((within[r], probs[r, within[r]]))
+        else:
+            out.append((None, probs[r]))
+    return out
+
+
+def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> torch.Tensor:
+    """`filtered_probs` of every row of `logits` [rows, vocab] with its own parameters (every temperature > 0),
+    bit for bit, as one tensor: `_kept_rows` with the dropped entries zero."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    for r, (kept, p) in enumerate(_kept_rows(logits, params)):
+        if kept is None:
+            out[r] = p
+        else:
+            out[r, kept] = p
+    return out
 
 
 def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int]) -> list[int]:
-    """`sample` for every row of `logits` [rows, vocab] with its own parameters and position, in a few batched
-    ops instead of a dozen per row: the same tokens, bit for bit (the same float64 values on each row; tested
-    against `sample` row by row). The last stage samples a micro-batch with it."""
+    """`sample` for every row of `logits` [rows, vocab] with its own parameters and position: the same tokens,
+    bit for bit (tested against `sample` row by row). The last stage samples a micro-batch with it. `sample`
+    searches the cumulative sum of the whole filtered row; here the kept entries' alone: a dropped entry adds an
+    exact zero, and the first entry whose sum passes the draw is a kept one (the sum rises only there)."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
     if greedy:   # first maximum per row, as torch.argmax of one row
@@ -150,10 +187,10 @@ def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], p
         return tokens
     vocab = logits.shape[-1]
     ps = [params[i] for i in drawn]
-    cdf = torch.cumsum(filtered_rows(logits[drawn], ps), dim=-1)
-    u = torch.tensor([uniform(p.seed, positions[i]) for p, i in zip(ps, drawn)], dtype=torch.float64)
-    u = (u * cdf[:, -1])[:, None]
-    picked = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)[:, 0].tolist()
-    for i, t in zip(drawn, picked):
-        tokens[i] = t
+    for i, p, (kept, probs) in zip(drawn, ps, _kept_rows(logits[drawn], ps)):
+        cdf = torch.cumsum(probs, dim=-1)
+        u = torch.tensor([uniform(p.seed, positions[i]) * float(cdf[-1])], dtype=torch.float64)
+        j = int(torch.searchsorted(cdf, u, right=True))
+        tokens[i] = vocab - 1 if j >= cdf.numel() else (j if kept is None else int(kept[j]))
     return tokens
+
