@@ -7,6 +7,9 @@ vocabulary order. That makes the draw checkable after the fact (see `draw_interv
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import xxhash
 
@@ -79,8 +82,26 @@ def _estimated_floor(probs: torch.Tensor, top_p: float) -> float:
     return float(torch.tensor([bucket << BUCKET_SHIFT]).view(torch.float64)[0])
 
 
+@functools.lru_cache(maxsize=1)
+def _kernels() -> ctypes.CDLL | None:
+    from tether.model import native   # the model's kernel library, built once per machine
+    return native.library() if native.available() is None else None
+
+
+def _native_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """`nucleus_kept` of a whole row by tether/model/kernels/nucleus.c (the same entries: its bucket floor and
+    radix sort in one pass each), or None where the kernels are not built here."""
+    lib = _kernels()
+    if lib is None:
+        return None
+    probs = probs.contiguous()
+    out = torch.empty(probs.numel(), dtype=torch.int64)
+    n = lib.nucleus_keep(probs.data_ptr(), probs.numel(), top_p, out.data_ptr())
+    return out[:n] if n >= 0 else None
+
+
 def nucleus_kept(probs: torch.Tensor, top_p: float, first: float | None = None,
-                 within: torch.Tensor | None = None) -> torch.Tensor:
+                 within: torch.Tensor | None = None, native_nucleus: bool = True) -> torch.Tensor:
     """The indices (ascending) of the entries of one row of probabilities [vocab] that top-p keeps, exactly as
     `filtered_probs` finds them (a stable descending sort of the whole row, its cumulative sum) but sorting only
     the largest entries: every entry at or above a floor value are the first of that sort in the same order (a
@@ -90,7 +111,13 @@ def nucleus_kept(probs: torch.Tensor, top_p: float, first: float | None = None,
     the NUCLEUS_FIRST-th largest entry, else an estimate of where the row's mass reaches top_p
     (`_estimated_floor`), lowered until the entries above it reach top_p, or zero (every positive entry).
     `first`: a floor the caller found already (`_kept_rows`: the entry at the NUCLEUS_FIRST-th largest logit).
-    `within`: ascending indices holding every positive entry (a top-k row's survivors), sorted alone."""
+    `within`: ascending indices holding every positive entry (a top-k row's survivors), sorted alone.
+    A whole row goes to the C kernel where it is built (`_native_kept`; `native_nucleus=False`: torch's path,
+    for the tests that hold the two equal)."""
+    if within is None and native_nucleus:
+        kept = _native_kept(probs, top_p)
+        if kept is not None:
+            return kept
     candidates: torch.Tensor | None = within
     if within is not None:
         floor, estimated = 0.0, True
@@ -125,8 +152,8 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
     nothing is filtered. Temperature and softmax over all rows at once, the rest only where an entry can be kept:
     - top-k's k-th largest value from one `topk` of the float32 logits (x = logits / T does not decrease as the
       logit grows, so the k-th largest x is x at the k-th largest logit), the survivors those at or above it;
-    - top-p by `nucleus_kept`, its first floor the probability at the NUCLEUS_FIRST-th largest logit (any floor
-      is exact), a top-k row's survivors sorted alone;
+    - top-p by `nucleus_kept` (a whole row in C where the kernels are built; in torch its first floor the
+      probability at the NUCLEUS_FIRST-th largest logit: any floor is exact), a top-k row's survivors sorted alone;
     - top-p's renormalising sum over the whole row with the dropped entries zero, as `filtered_probs` takes it
       (the same reduction of the same floats), each kept entry divided by it (a division rounds per entry)."""
     vocab = logits.shape[-1]
@@ -143,13 +170,13 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
     nucleus = [r for r, p in enumerate(params) if 0 < p.top_p < 1]
     wide = [r for r in nucleus if r not in within]
     firsts: dict[int, float] = {}
-    if wide and vocab > NUCLEUS_FIRST:
+    if wide and vocab > NUCLEUS_FIRST and _kernels() is None:   # torch's path starts from them; the C kernel need not
         at = torch.topk(logits[wide], NUCLEUS_FIRST, dim=-1).indices
         firsts = {r: float(probs[r, at[i]].min()) for i, r in enumerate(wide)}
     out: list[Kept] = []
     for r, p in enumerate(params):
         if r in nucleus:
-            kept = nucleus_kept(probs[r], p.top_p, firsts.get(r, 0.0), within.get(r))
+            kept = nucleus_kept(probs[r], p.top_p, firsts.get(r, 0.0 if vocab <= NUCLEUS_FIRST else None), within.get(r))
             row = torch.zeros(vocab, dtype=torch.float64)
             row[kept] = probs[r, kept]
             out.append((kept, row[kept] / row.sum()))

@@ -193,7 +193,17 @@ def test_filtered_rows_are_filtered_probs_bit_for_bit(rows, vocab, ties):
         assert torch.equal(got[i], sampler.filtered_probs(logits[i], p)), (p, vocab, ties)
 
 
-def test_a_flat_nucleus_reaches_past_the_first_candidates_and_matches_the_whole_sort():
+@pytest.fixture(params=["C", "torch"])
+def nucleus_path(request, monkeypatch):
+    """Each whole-row nucleus test on both paths: the C kernel (tether/model/kernels/nucleus.c) and torch's."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler, "_kernels", lambda: None)
+    elif sampler._kernels() is None:
+        pytest.skip("our C kernels are not built here")
+    return request.param
+
+
+def test_a_flat_nucleus_reaches_past_the_first_candidates_and_matches_the_whole_sort(nucleus_path):
     """Near-uniform logits: top-p 0.9 keeps ~90% of 49,152 entries, far past NUCLEUS_FIRST."""
     g = torch.Generator().manual_seed(11)
     row = torch.randn(49152, generator=g) * 0.01
@@ -205,7 +215,7 @@ def test_a_flat_nucleus_reaches_past_the_first_candidates_and_matches_the_whole_
 
 
 @pytest.mark.parametrize("scale", [3.0, 1.5])
-def test_a_nucleus_of_thousands_matches_the_whole_sort(scale):
+def test_a_nucleus_of_thousands_matches_the_whole_sort(scale, nucleus_path):
     """Past the first 64 candidates the floor is estimated from the row's mass by value: nuclei of ~2,000 and
     ~20,000 of 49,152 entries, ties among them, each top-p: the whole sort's probabilities bit for bit."""
     g = torch.Generator().manual_seed(17)
@@ -220,7 +230,8 @@ def test_a_nucleus_of_thousands_matches_the_whole_sort(scale):
 
 def test_a_floor_estimated_too_high_is_lowered_until_the_nucleus_is_whole(monkeypatch):
     """The estimate is only a guess: one that leaves the nucleus short (here: the largest entry) is lowered
-    until the entries above it reach top-p, with the whole sort's answer."""
+    until the entries above it reach top-p, with the whole sort's answer (torch's path: the C kernel has its own)."""
+    monkeypatch.setattr(sampler, "_kernels", lambda: None)
     monkeypatch.setattr(sampler, "_estimated_floor", lambda probs, top_p: float(probs.max()))
     row = torch.randn(49152, generator=torch.Generator().manual_seed(5)) * 2
     p = sampling_params(temperature=1.0, top_p=0.9)
@@ -236,3 +247,49 @@ def test_sample_rows_on_the_real_vocabulary():
     positions = list(range(100, 108))
     assert sampler.sample_rows(logits, params, positions) == [
         sampler.sample(logits[i], params[i], positions[i]) for i in range(8)]
+
+
+# --- the C kernel's nucleus against torch's, entry for entry ------------------------------------------------
+
+ROWS = st.sampled_from(["flat", "peaked", "ties", "tiny tail", "one", "zeros"])
+
+
+def probability_row(kind: str, seed: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "flat":
+        x = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.05
+    elif kind == "peaked":
+        x = torch.randn(vocab, generator=g, dtype=torch.float64) * 6
+    elif kind == "ties":   # few distinct values: equal entries on both sides of every cut, in index order
+        x = torch.randint(0, 4, (vocab,), generator=g).double()
+    elif kind == "tiny tail":   # most entries below the kernel's lowest bucket (2^-128): lumped, then sorted
+        x = torch.full((vocab,), -200.0, dtype=torch.float64)
+        x[torch.randint(0, vocab, (3,), generator=g)] = torch.tensor([0.0, -0.5, -1.0], dtype=torch.float64)
+    elif kind == "one":
+        x = torch.full((vocab,), -float("inf"), dtype=torch.float64)
+        x[seed % vocab] = 0.0
+    else:   # "zeros": a top-k row's shape, most entries exactly zero
+        x = torch.full((vocab,), -float("inf"), dtype=torch.float64)
+        x[torch.randint(0, vocab, (40,), generator=g)] = torch.randn(40, generator=g, dtype=torch.float64)
+    return torch.softmax(x, dim=-1)
+
+
+@FAST
+@given(kind=ROWS, seed=st.integers(0, 2**31), vocab=st.sampled_from([3, 64, 1000, 49152]),
+       top_p=st.sampled_from([1e-9, 0.2, 0.5, 0.9, 0.95, 0.999, 0.999999, 1 - 2**-40]))
+def test_the_c_nucleus_keeps_the_entries_torch_keeps(kind, seed, vocab, top_p):
+    """The same kept indices as torch's path and as the whole sort (`filtered_probs`' own definition), on rows
+    where the kernel's bucket floor is exact, too low, or lumps the tail; ties across the cut; top-p a hair
+    below 1 (the whole row)."""
+    if sampler._kernels() is None:
+        pytest.skip("our C kernels are not built here")
+    probs = probability_row(kind, seed, vocab)
+    got = sampler._native_kept(probs, top_p)
+    assert got is not None
+    sorted_p, order = torch.sort(probs, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    whole = torch.sort(order[(cum - sorted_p) < top_p]).values
+    whole = whole[probs[whole] > 0]   # a kept zero is no entry: neither path returns one
+    assert torch.equal(got, whole), (kind, vocab, top_p)
+    assert torch.equal(got, sampler.nucleus_kept(probs, top_p, native_nucleus=False)[
+        probs[sampler.nucleus_kept(probs, top_p, native_nucleus=False)] > 0])
