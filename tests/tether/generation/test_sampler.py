@@ -293,3 +293,15 @@ def test_the_c_nucleus_keeps_the_entries_torch_keeps(kind, seed, vocab, top_p):
     assert torch.equal(got, whole), (kind, vocab, top_p)
     assert torch.equal(got, sampler.nucleus_kept(probs, top_p, native_nucleus=False)[
         probs[sampler.nucleus_kept(probs, top_p, native_nucleus=False)] > 0])
+
+
+def test_the_c_nucleus_stays_in_bounds_on_values_no_softmax_gives():
+    """NaN, infinities and -0.0 (a model gone wrong) are never read as bucket indices past the kernel's
+    histogram: it returns indices of the row, nothing else (what they are is not defined)."""
+    if sampler._kernels() is None:
+        pytest.skip("our C kernels are not built here")
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
+    probs[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -0.0], dtype=torch.float64)
+    kept = sampler._native_kept(probs, 0.9)
+    assert kept is not None and bool(((kept >= 0) & (kept < 1000)).all())
+    assert torch.equal(kept, torch.sort(kept).values)

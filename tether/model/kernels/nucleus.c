@@ -115,8 +115,10 @@ int64_t nucleus_keep(const double *probs, int64_t n, double top_p, int64_t *out)
         return -1;
     memset(mass, 0, LANES * BUCKETS * sizeof *mass);
     for (int64_t i = 0; i < n; i++) {
+        /* NaN, infinities and -0.0 (none from a softmax of finite logits) land in the end buckets, never past them */
         int64_t key = (int64_t)(bits_of(probs[i]) >> SHIFT) - (TOP - BUCKETS);
-        mass[(i % LANES) * BUCKETS + (key > 0 ? key : 0)] += probs[i];
+        key = key < 0 ? 0 : key >= BUCKETS ? BUCKETS - 1 : key;
+        mass[(i % LANES) * BUCKETS + key] += probs[i];
     }
     double acc = 0.0;
     int64_t b = BUCKETS - 1;
