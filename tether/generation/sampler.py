@@ -90,9 +90,9 @@ def _kernels() -> ctypes.CDLL | None:
 
 def _native_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
     """`nucleus_kept` of a whole row by tether/model/kernels/nucleus.c (the same entries: its bucket floor and
-    radix sort in one pass each), or None where the kernels are not built here."""
+    radix sort in one pass each), or None where the kernels are not built here (or the row is not float64)."""
     lib = _kernels()
-    if lib is None:
+    if lib is None or probs.dtype != torch.float64 or probs.dim() != 1:
         return None
     probs = probs.contiguous()
     out = torch.empty(probs.numel(), dtype=torch.int64)
