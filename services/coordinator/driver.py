@@ -28,7 +28,7 @@ import grpc
 
 from services.coordinator.health import PipelineHealth
 from services.coordinator.inflight import FramesInFlight
-from services.coordinator.pipeline import Pipeline, PipelineDown, stages_widen
+from services.coordinator.pipeline import Pipeline, PipelineDown, alone_limit
 from services.coordinator.releases import ReleaseQueue
 from services.coordinator.request_spans import RequestSpans
 from services.coordinator.scheduler import Phase, Request, Scheduler
@@ -76,10 +76,10 @@ class Driver:
                  recovery_window_s: float = settings.RECOVERY_WINDOW_S, max_rebuilds: int = settings.MAX_REBUILDS,
                  stamp_checks: bool = True, on_serving: Callable[[bool], Awaitable[None]] | None = None,
                  stream_idle_s: float = settings.STREAM_IDLE_S, prefix_cache: bool = True,
-                 alone_max: int = settings.ALONE_MAX_REQUESTS):
+                 alone_max: int | None = None):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
-        self.alone_max = alone_max   # the scheduler's, where every stage widens a micro-batch alone (handshake)
+        self.alone_max = alone_max   # the scheduler's (None: by the stages' inputs, `alone_limit`)
         self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
         self.frame_timeout_s = frame_timeout_s
         self.recovery_window_s = recovery_window_s
@@ -230,7 +230,7 @@ class Driver:
         capacity = min(s.kv_capacity_tokens // block for s in self.pipeline.stages)
         self.sched.ledger.configure(capacity, block, self.prefix_cache)
         # One micro-batch in flight while few requests are active, only where every stage then takes more cores
-        self.sched.alone_max = self.alone_max if stages_widen(self.pipeline.stages) else 0
+        self.sched.alone_max = alone_limit(self.pipeline.stages, self.alone_max)
 
     async def crashed(self, error: BaseException) -> None:
         """The loop died of an unexpected error (a bug, a peer answering outside the contract): fail every

@@ -41,11 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per micro-batch (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=settings.MAX_BATCH_TOKENS,
                    help="rows per micro-batch; longer prompts are prefilled in chunks (default: %(default)s)")
-    p.add_argument("--alone-max-requests", type=int, default=settings.ALONE_MAX_REQUESTS, metavar="N",
+    p.add_argument("--alone-max-requests", type=int, default=None, metavar="N",
                    help="while at most N requests are active, keep one micro-batch in flight instead of one per "
                         "stage, if every stage runs a micro-batch alone on more threads than under load (their "
                         "--alone-threads; on shared cores that is faster for small batches); 0: always one per "
-                        "stage (default: %(default)s)")
+                        f"stage (default: {settings.ALONE_MAX_REQUESTS}, or {settings.ALONE_MAX_REQUESTS_Q8} where "
+                        "the stages multiply q8 inputs, as their handshake says)")
     p.add_argument("--frame-timeout", type=float, default=settings.FRAME_TIMEOUT_S,
                    help="seconds before an unanswered micro-batch counts as lost; its requests are synced with "
                         "the stages and resumed or replayed (default: %(default)s)")

@@ -195,3 +195,15 @@ def stages_widen(stages: list[stage_pb2.StageInfo]) -> bool:
     """Whether every handshaken stage runs a micro-batch alone in the pipeline on more threads than under load
     (StageInfo.alone_threads): only then is one micro-batch in flight worth the stages it leaves idle."""
     return bool(stages) and all(s.alone_threads > s.threads for s in stages)
+
+
+def alone_limit(stages: list[stage_pb2.StageInfo], asked: int | None) -> int:
+    """The most active requests the scheduler keeps one micro-batch in flight for: 0 unless every stage widens a
+    micro-batch alone (`stages_widen`), else `asked`, or by default settings.ALONE_MAX_REQUESTS, or
+    ALONE_MAX_REQUESTS_Q8 where every stage multiplies q8 inputs (StageInfo.linear_inputs)."""
+    if not stages_widen(stages):
+        return 0
+    if asked is not None:
+        return asked
+    q8 = all(s.linear_inputs == "q8" for s in stages)
+    return settings.ALONE_MAX_REQUESTS_Q8 if q8 else settings.ALONE_MAX_REQUESTS
