@@ -171,12 +171,13 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
     wide = [r for r in nucleus if r not in within]
     firsts: dict[int, float] = {}
     if wide and vocab > NUCLEUS_FIRST and _kernels() is None:   # torch's path starts from them; the C kernel need not
-        at = torch.topk(logits[wide], NUCLEUS_FIRST, dim=-1).indices
-        firsts = {r: float(probs[r, at[i]].min()) for i, r in enumerate(wide)}
+        top = torch.topk(logits[wide], NUCLEUS_FIRST, dim=-1).indices
+        firsts = {r: float(probs[r, top[i]].min()) for i, r in enumerate(wide)}
     out: list[Kept] = []
     for r, p in enumerate(params):
         if r in nucleus:
-            kept = nucleus_kept(probs[r], p.top_p, firsts.get(r, 0.0 if vocab <= NUCLEUS_FIRST else None), within.get(r))
+            first = firsts.get(r, 0.0 if vocab <= NUCLEUS_FIRST else None)
+            kept = nucleus_kept(probs[r], p.top_p, first, within.get(r))
             row = torch.zeros(vocab, dtype=torch.float64)
             row[kept] = probs[r, kept]
             out.append((kept, row[kept] / row.sum()))

@@ -238,7 +238,7 @@ def test_a_floor_estimated_too_high_is_lowered_until_the_nucleus_is_whole(monkey
     assert torch.equal(sampler.filtered_rows(row[None], [p])[0], sampler.filtered_probs(row, p))
 
 
-def test_sample_rows_on_the_real_vocabulary():
+def test_sample_rows_on_the_real_vocabulary(nucleus_path):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 49152, generator=g) * 6
     params = [sampling_params(temperature=t, top_k=k, top_p=p, seed=i)
