@@ -262,7 +262,7 @@ def probability_row(kind: str, seed: int, vocab: int) -> torch.Tensor:
         x = torch.randn(vocab, generator=g, dtype=torch.float64) * 6
     elif kind == "ties":   # few distinct values: equal entries on both sides of every cut, in index order
         x = torch.randint(0, 4, (vocab,), generator=g).double()
-    elif kind == "tiny tail":   # most entries below the kernel's lowest bucket (2^-128): lumped, then sorted
+    elif kind == "tiny tail":   # most entries below the kernel's lowest bucket (2^-127): lumped, then sorted
         x = torch.full((vocab,), -200.0, dtype=torch.float64)
         x[torch.randint(0, vocab, (3,), generator=g)] = torch.tensor([0.0, -0.5, -1.0], dtype=torch.float64)
     elif kind == "one":

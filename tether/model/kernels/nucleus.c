@@ -20,7 +20,7 @@
 
 #define SHIFT 48
 #define TOP (1024 << 4)     /* the key of 2.0: probabilities are below it */
-#define BUCKETS 2048        /* the top 128 octaves (down to ~3e-39); every smaller entry counts in bucket 0 */
+#define BUCKETS 2048        /* the top 128 octaves (down to 2^-127); every smaller entry counts in bucket 0 */
 #define LANES 4             /* histograms side by side: equal neighbouring keys do not wait on each other */
 
 static inline uint64_t bits_of(double v) {
