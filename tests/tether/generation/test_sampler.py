@@ -193,13 +193,18 @@ def test_filtered_rows_are_filtered_probs_bit_for_bit(rows, vocab, ties):
         assert torch.equal(got[i], sampler.filtered_probs(logits[i], p)), (p, vocab, ties)
 
 
+def needs_c_kernels() -> None:
+    if sampler._kernels() is None:
+        pytest.skip("our C kernels are not built here")
+
+
 @pytest.fixture(params=["C", "torch"])
 def nucleus_path(request, monkeypatch):
     """Each whole-row nucleus test on both paths: the C kernel (tether/model/kernels/nucleus.c) and torch's."""
     if request.param == "torch":
         monkeypatch.setattr(sampler, "_kernels", lambda: None)
-    elif sampler._kernels() is None:
-        pytest.skip("our C kernels are not built here")
+    else:
+        needs_c_kernels()
     return request.param
 
 
@@ -281,8 +286,7 @@ def test_the_c_nucleus_keeps_the_entries_torch_keeps(kind, seed, vocab, top_p):
     """The same kept indices as torch's path and as the whole sort (`filtered_probs`' own definition), on rows
     where the kernel's bucket floor is exact, too low, or lumps the tail; ties across the cut; top-p a hair
     below 1 (the whole row)."""
-    if sampler._kernels() is None:
-        pytest.skip("our C kernels are not built here")
+    needs_c_kernels()
     probs = probability_row(kind, seed, vocab)
     got = sampler._native_kept(probs, top_p)
     assert got is not None
@@ -291,15 +295,13 @@ def test_the_c_nucleus_keeps_the_entries_torch_keeps(kind, seed, vocab, top_p):
     whole = torch.sort(order[(cum - sorted_p) < top_p]).values
     whole = whole[probs[whole] > 0]   # a kept zero is no entry: neither path returns one
     assert torch.equal(got, whole), (kind, vocab, top_p)
-    assert torch.equal(got, sampler.nucleus_kept(probs, top_p, native_nucleus=False)[
-        probs[sampler.nucleus_kept(probs, top_p, native_nucleus=False)] > 0])
+    assert torch.equal(got, sampler.nucleus_kept(probs, top_p, native_nucleus=False))
 
 
 def test_the_c_nucleus_stays_in_bounds_on_values_no_softmax_gives():
     """NaN, infinities and -0.0 (a model gone wrong) are never read as bucket indices past the kernel's
     histogram: it returns indices of the row, nothing else (what they are is not defined)."""
-    if sampler._kernels() is None:
-        pytest.skip("our C kernels are not built here")
+    needs_c_kernels()
     probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
     probs[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -0.0], dtype=torch.float64)
     kept = sampler._native_kept(probs, 0.9)
