@@ -43,7 +43,7 @@ def test_rows_equal_rowdot_on_the_converted_weight(kind, out, inner):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m in (1, 2, 3, 6, 7, 13, 64, 70):
+            for m in (1, 2, 3, 6, 7, 8, 12, 13, 25, 32, 33, 64, 70):
                 assert torch.equal(rowdot.linear(x[:m], packed), rowdot.linear(x[:m], plain)), f"{m} rows"
             assert torch.equal(rowdot.silu_linear(x[:1], packed), rowdot.silu_linear(x[:1], plain))
             assert torch.equal(rowdot.silu_linear(x[:9], packed), rowdot.silu_linear(x[:9], plain))

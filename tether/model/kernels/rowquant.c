@@ -12,8 +12,9 @@
  *   Q8_0 group, 544 bytes: d[16] fp16, then 32 k-rows of 16 int8
  * Columns past N have d = m = 0, so their weights are +0, as rowdot's zero padding.
  *
- * One row (a decode step alone) dequantizes in registers next to the FMAs; more rows dequantize two column
- * blocks at a time into a per-thread buffer and run rowdot's tiles over them.
+ * One row (a decode step alone) dequantizes in registers next to the FMAs, and so do up to 32 rows in AVX-512
+ * (rowdot512's tiles, the weights rebuilt once a tile of up to 12 rows); more rows, or more than one in AVX2,
+ * dequantize two column blocks at a time into a per-thread buffer and run rowdot's tiles over them.
  *
  * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
  */
@@ -135,42 +136,62 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
         store_cols(y, col + BLOCK, n, a1, b1, act);
 }
 
+/* AVX-512: k-rows of a group record rebuilt as 16 fp32 weights in one register, by the operations weights_at
+ * uses (so the same values) */
+static inline AVX512 __attribute__((always_inline)) __m512 q4_weights(__m128i q, __m512 d, __m512 m) {
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), m);
+}
+
+static inline AVX512 __attribute__((always_inline)) __m512 q8_weights(const uint8_t *rec, int i, __m512 d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * i)))),
+                         d);
+}
+
+/* k-rows i and i + 1 (i even) of a group record as 16 fp32 weights each */
+static inline AVX512 __attribute__((always_inline)) void
+weights_pair512(const int64_t F, const uint8_t *rec, int i, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
+    if (F == WEIGHT_Q4_1) {
+        const __m128i mask = _mm_set1_epi8(15);
+        __m128i v = _mm_loadu_si128((const __m128i *)(rec + 64 + 8 * i));
+        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        *w0 = q4_weights(_mm_unpacklo_epi8(lo, hi), d, m);
+        *w1 = q4_weights(_mm_unpackhi_epi8(lo, hi), d, m);
+    } else {
+        *w0 = q8_weights(rec, i, d);
+        *w1 = q8_weights(rec, i + 1, d);
+    }
+}
+
+static inline AVX512 __attribute__((always_inline)) void
+scales512(const int64_t F, const uint8_t *rec, __m512 *d, __m512 *m) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+    *m = F == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32))) : _mm512_setzero_ps();
+}
+
 /* The same one-row kernel in AVX-512 (where the CPU has F, BW, DQ and VL: kernels_isa): a column block's 16
  * columns in one register, up to 4 blocks side by side, two k-rows' nibbles unpacked at once. Every weight is
  * rebuilt by the same operations and every chain runs over k in the same order, so the bits are the AVX2
  * kernel's (tests/tether/model/test_rowquant.py runs both). */
-
-#define W4(r) _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r)), m[j])
-#define W8(i) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128( \
-                  (const __m128i *)(r[j] + 32 + 16 * (i))))), d[j])
 
 static inline AVX512 __attribute__((always_inline)) void
 row_blocks512(const int64_t F, const int nb, const float *x, const uint8_t *blk, int64_t stride, int64_t k,
               float *y, int64_t col, int64_t n, int act) {
     int64_t rec = record_bytes(F);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const __m128i mask = _mm_set1_epi8(15);
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r[4];
         __m512 d[4], m[4];
         for (int j = 0; j < nb; j++) {
             r[j] = blk + j * stride + g * rec;
-            d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r[j]));
-            m[j] = F == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + 32)))
-                                    : _mm512_setzero_ps();
+            scales512(F, r[j], &d[j], &m[j]);
         }
         for (int i = 0; i < GROUP; i += 2) {
             __m512 x0 = _mm512_set1_ps(x[g * GROUP + i]), x1 = _mm512_set1_ps(x[g * GROUP + i + 1]);
             for (int j = 0; j < nb; j++) {
-                if (F == WEIGHT_Q4_1) {
-                    __m128i v = _mm_loadu_si128((const __m128i *)(r[j] + 64 + 8 * i));   /* k-rows i, i + 1 */
-                    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-                    acc[j] = _mm512_fmadd_ps(x0, W4(_mm_unpacklo_epi8(lo, hi)), acc[j]);
-                    acc[j] = _mm512_fmadd_ps(x1, W4(_mm_unpackhi_epi8(lo, hi)), acc[j]);
-                } else {
-                    acc[j] = _mm512_fmadd_ps(x0, W8(i), acc[j]);
-                    acc[j] = _mm512_fmadd_ps(x1, W8(i + 1), acc[j]);
-                }
+                __m512 w0, w1;
+                weights_pair512(F, r[j], i, d[j], m[j], &w0, &w1);
+                acc[j] = _mm512_fmadd_ps(x0, w0, acc[j]);
+                acc[j] = _mm512_fmadd_ps(x1, w1, acc[j]);
             }
         }
     }
@@ -196,6 +217,100 @@ AVX512 static void row512(const int64_t format, const float *x, const uint8_t *d
         row_span512(WEIGHT_Q4_1, x, data, stride, k, y, n, b0, b1, act);
     else
         row_span512(WEIGHT_Q8_0, x, data, stride, k, y, n, b0, b1, act);
+}
+
+/* More rows in AVX-512: rowdot512.c's tiles with the weights rebuilt in registers, once a tile (up to 12 rows),
+ * rather than into a buffer first: its AVX2 rebuild, store and reload cost 1.25-1.7x the tile's own FMAs at 8
+ * rows (a linear hot in cache). The same weights and each output the same chain over k in order: rowdot's bits. */
+/* R <= 12 rows against one block */
+#define QR1(j, w, i) if (R > j) a##j = _mm512_fmadd_ps(_mm512_set1_ps(x[j * ldx + (i)]), w, a##j);
+#define QK1(w, i) QR1(0, w, i) QR1(1, w, i) QR1(2, w, i) QR1(3, w, i) QR1(4, w, i) QR1(5, w, i) \
+                  QR1(6, w, i) QR1(7, w, i) QR1(8, w, i) QR1(9, w, i) QR1(10, w, i) QR1(11, w, i)
+#define QO1(j) if (R > j) store16(y + j * ldy, col, n, a##j, act);
+static inline AVX512 __attribute__((always_inline)) void
+qtile1(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y,
+       int64_t ldy, int64_t col, int64_t n, int act) {
+    int64_t rec = record_bytes(F);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+           a9 = a0, a10 = a0, a11 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r = blk + g * rec;
+        __m512 d, m, w0, w1;
+        scales512(F, r, &d, &m);
+        for (int i = 0; i < GROUP; i += 2) {
+            int64_t at = g * GROUP + i;
+            weights_pair512(F, r, i, d, m, &w0, &w1);
+            QK1(w0, at) QK1(w1, at + 1)
+        }
+    }
+    QO1(0) QO1(1) QO1(2) QO1(3) QO1(4) QO1(5) QO1(6) QO1(7) QO1(8) QO1(9) QO1(10) QO1(11)
+}
+
+/* R <= 6 rows against two blocks side by side */
+#define QR2(j, u, v, i)                                                                            \
+    if (R > j) {                                                                                   \
+        __m512 xv = _mm512_set1_ps(x[j * ldx + (i)]);                                              \
+        a##j = _mm512_fmadd_ps(xv, u, a##j);                                                       \
+        b##j = _mm512_fmadd_ps(xv, v, b##j);                                                       \
+    }
+#define QK2(u, v, i) QR2(0, u, v, i) QR2(1, u, v, i) QR2(2, u, v, i) QR2(3, u, v, i) QR2(4, u, v, i) QR2(5, u, v, i)
+#define QO2(j) if (R > j) { store16(y + j * ldy, col, n, a##j, act); store16(y + j * ldy, col + BLOCK, n, b##j, act); }
+static inline AVX512 __attribute__((always_inline)) void
+qtile2(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t stride, int64_t k,
+       float *y, int64_t ldy, int64_t col, int64_t n, int act) {
+    int64_t rec = record_bytes(F);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r = blk + g * rec, *s = r + stride;
+        __m512 d, m, e, f, u0, u1, v0, v1;
+        scales512(F, r, &d, &m);
+        scales512(F, s, &e, &f);
+        for (int i = 0; i < GROUP; i += 2) {
+            int64_t at = g * GROUP + i;
+            weights_pair512(F, r, i, d, m, &u0, &u1);
+            weights_pair512(F, s, i, e, f, &v0, &v1);
+            QK2(u0, v0, at) QK2(u1, v1, at + 1)
+        }
+    }
+    QO2(0) QO2(1) QO2(2) QO2(3) QO2(4) QO2(5)
+}
+
+#define QTILE(tile, R) case R: tile(F, R, x, ldx, blk, k, y, ldy, col, n, act); break;
+#define QTILE2(R) case R: qtile2(F, R, x, ldx, blk, stride, k, y, ldy, col, n, act); break;
+/* `rows` rows (2 to 12) against the column blocks [b0, b1): up to 6 rows two blocks at a time, as rowdot512_span;
+ * each output is its own chain whichever tile computes it */
+static inline AVX512 __attribute__((always_inline)) void
+rows_span512(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, int64_t stride, int64_t k, float *y,
+             int64_t ldy, int64_t n, int64_t rows, int64_t b0, int64_t b1, int act) {
+    int64_t b = b0;
+    if (rows <= 6)
+        for (; b + 2 <= b1; b += 2) {
+            const uint8_t *blk = data + b * stride;
+            int64_t col = b * BLOCK;
+            switch (rows) { QTILE2(6) QTILE2(5) QTILE2(4) QTILE2(3) default: QTILE2(2) }
+        }
+    for (; b < b1; b++) {
+        const uint8_t *blk = data + b * stride;
+        int64_t col = b * BLOCK;
+        switch (rows) {
+        QTILE(qtile1, 12) QTILE(qtile1, 11) QTILE(qtile1, 10) QTILE(qtile1, 9) QTILE(qtile1, 8) QTILE(qtile1, 7)
+        QTILE(qtile1, 6) QTILE(qtile1, 5) QTILE(qtile1, 4) QTILE(qtile1, 3) default: QTILE(qtile1, 2)
+        }
+    }
+}
+
+#define FUSED_ROWS 12       /* a tile's rows: one tile1 (two tile2s) */
+#define FUSED_MAX_ROWS 32   /* up to here in tiles that rebuild their weights, then the buffer (which rebuilds each
+                             * weight once a call): a whole-model step measured even at 32-64 rows either way */
+
+AVX512 static void rows512(const int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t stride,
+                           int64_t k, float *y, int64_t ldy, int64_t n, int64_t rows, int64_t b0, int64_t b1,
+                           int act) {
+    if (format == WEIGHT_Q4_1)
+        rows_span512(WEIGHT_Q4_1, x, ldx, data, stride, k, y, ldy, n, rows, b0, b1, act);
+    else
+        rows_span512(WEIGHT_Q8_0, x, ldx, data, stride, k, y, ldy, n, rows, b0, b1, act);
 }
 
 #define BUFFERED 2   /* column blocks dequantized at a time for more than one row: the AVX-512 tiles' pair */
@@ -226,6 +341,16 @@ quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, 
             row_blocks(F, 2, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
         if (b < b1)
             row_blocks(F, 1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+        return;
+    }
+    if (m <= FUSED_MAX_ROWS && kernels_isa(-1)) {
+        for (int64_t r = 0; r < m; r += FUSED_ROWS) {
+            int64_t rows = m - r < FUSED_ROWS ? m - r : FUSED_ROWS;
+            if (rows == 1)
+                row512(F, x + r * ldx, data, stride, k, y + r * ldy, n, b0, b1, act);
+            else
+                rows512(F, x + r * ldx, ldx, data, stride, k, y + r * ldy, ldy, n, rows, b0, b1, act);
+        }
         return;
     }
     float *buf = block_buffer(k);
