@@ -69,14 +69,23 @@ CMAKE_OPTIONS = (
 ISAS = settings.KERNELS_ISAS
 AVX2_OPTIONS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                 "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
+# A native build on a CPU with AMX compiles ggml's AMX matmul, which segfaulted in its first product
+# (ggml_backend_amx_mul_mat, during llama-server's warm-up) on the AMX Xeon measured (family 6 model 167,
+# 2026-12-06; AMX itself works there: a tile product in C gives the right sums), as llama.cpp#20824 reports on
+# other machines (closed stale, no fix). What runs there is llama-server without it: -march=native less AMX (an
+# explicit -mno-* wins over -march's defaults in GCC and Clang, wherever it stands on the command line).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_OPTIONS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 
 
-def cmake_options(isa: str = "native") -> tuple[str, ...]:
-    """CMAKE_OPTIONS for an instruction-set choice (ISAS)."""
+def cmake_options(isa: str = "native", flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """CMAKE_OPTIONS for an instruction-set choice (ISAS) on a CPU with these /proc/cpuinfo flags (None: this
+    one's)."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
     if isa == "native":
-        return CMAKE_OPTIONS
+        amx = "amx_int8" in (cpu_flags() if flags is None else set(flags))
+        return CMAKE_OPTIONS + NO_AMX_OPTIONS if amx else CMAKE_OPTIONS
     return tuple(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_NATIVE=")) + AVX2_OPTIONS
 
 
@@ -98,7 +107,8 @@ def cache_key(flags: Iterable[str], options: Iterable[str] = CMAKE_OPTIONS, vers
 
 def binary_path(flags: Iterable[str] | None = None, home: Path | None = None, isa: str = "native") -> Path:
     """Where the binary for this CPU (and instruction-set choice) is (or will be) cached."""
-    key = cache_key(cpu_flags() if flags is None else flags, cmake_options(isa))
+    flags = cpu_flags() if flags is None else list(flags)
+    key = cache_key(flags, cmake_options(isa, flags))
     return (home or tether_home()) / "llama-server" / key / "llama-server"
 
 

@@ -56,7 +56,7 @@ def test_build_and_configure_commands_stay_offline():
 def test_an_avx2_build_keeps_ggml_to_avx2_and_is_cached_apart(tmp_path):
     """--isa avx2: no -march=native, AVX-512 off, AVX2/FMA/F16C on, everything else as the native build; its own
     cache folder, so the native binary is never taken for it (or the other way round)."""
-    native, avx2 = llama_server.cmake_options("native"), llama_server.cmake_options("avx2")
+    native, avx2 = llama_server.cmake_options("native", AVX512.split()), llama_server.cmake_options("avx2")
     assert native == llama_server.CMAKE_OPTIONS
     assert "-DGGML_NATIVE=ON" not in avx2 and {"-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX2=ON",
                                                  "-DGGML_FMA=ON", "-DGGML_F16C=ON"} <= set(avx2)
@@ -110,3 +110,14 @@ def test_chat_body_same_sampling_each_side_its_own_fields():
     assert t["top_p"] == ls["top_p"] == 0.9 and t["seed"] == ls["seed"] == 7
     assert "ignore_eos" not in t["extra_body"] and "ignore_eos" not in ls["extra_body"]
     assert t["extra_body"]["top_k"] == ls["extra_body"]["top_k"] == 40
+
+
+def test_a_native_build_on_an_amx_cpu_leaves_ggml_s_amx_out_and_is_cached_apart(tmp_path):
+    """ggml's AMX matmul segfaulted on the AMX Xeon measured: -march=native less AMX there, its own binary."""
+    flags = AVX512.split()
+    amx = llama_server.cmake_options("native", [*flags, "amx_tile", "amx_int8", "amx_bf16"])
+    assert set(amx) - set(llama_server.CMAKE_OPTIONS) == set(llama_server.NO_AMX_OPTIONS)
+    assert all("-mno-amx-int8" in o for o in llama_server.NO_AMX_OPTIONS)
+    assert not set(llama_server.cmake_options("native", flags)) & set(llama_server.NO_AMX_OPTIONS)
+    assert llama_server.cmake_options("avx2", [*flags, "amx_int8"]) == llama_server.cmake_options("avx2", flags)
+    assert llama_server.binary_path([*flags, "amx_int8"], home=tmp_path) != llama_server.binary_path(flags, home=tmp_path)
