@@ -75,10 +75,11 @@ MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled
 ALONE_MAX_REQUESTS = 32
 # The same where a stage's linears run on our own kernels (RowRule.linear "rowdot": float32 and q8 inputs; the
 # stage says so in StageInfo.alone_max_requests): their products keep one thread busy, so two micro-batches on a
-# thread each beat one on both cores. smollm2, AMD EPYC with avx512_bf16, two clusters side by side, paired, output
-# tokens/s against one micro-batch alone: q8 1.11x at 8 streams (6 of 6 pairs), 1.21x at 32 (4 of 4); float32
-# since its AVX-512 tiles rebuild the weights in registers 1.11-1.15x at 8 (4 of 4) and 1.09-1.14x at 32 (4 of
-# 4), kept to AVX2 1.06-1.09x at 8 (4 of 4). 1: one request alone still takes every core.
+# thread each beat one on both cores. smollm2, two clusters side by side, paired, output tokens/s against one
+# micro-batch alone: q8 on an AMD EPYC with avx512_bf16 1.11x at 8 streams (6 of 6 pairs), 1.21x at 32 (4 of 4);
+# float32 on an Intel Xeon with AMX, since its AVX-512 tiles rebuild the weights in registers, 1.11-1.15x at 8
+# (4 of 4) and 1.09-1.14x at 32 (4 of 4), kept to AVX2 1.06-1.09x at 8 (4 of 4). 1: one request alone still
+# takes every core.
 ALONE_MAX_REQUESTS_ROWDOT = 1
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
