@@ -73,14 +73,13 @@ MAX_BATCH_TOKENS = 512      # rows per micro-batch; longer prompts are prefilled
 # the output tokens/s, 16: 1.10x, 32: 1.03x); with fp32 on our kernels there, 32 streams alone gave 1.10x what two
 # micro-batches of 16 did (docs/PERFORMANCE.md). 0: always one micro-batch per stage.
 ALONE_MAX_REQUESTS = 32
-# The same where a stage's linears run on our own kernels (RowRule.linear "rowdot": float32 and q8 inputs; the
-# stage says so in StageInfo.alone_max_requests): their products keep one thread busy, so two micro-batches on a
-# thread each beat one on both cores. smollm2, two clusters side by side, paired, output tokens/s against one
-# micro-batch alone: q8 on an AMD EPYC with avx512_bf16 1.11x at 8 streams (6 of 6 pairs), 1.21x at 32 (4 of 4);
-# float32 on an Intel Xeon with AMX, since its AVX-512 tiles rebuild the weights in registers, 1.11-1.15x at 8
-# (4 of 4) and 1.09-1.14x at 32 (4 of 4), kept to AVX2 1.06-1.09x at 8 (4 of 4). 1: one request alone still
-# takes every core.
-ALONE_MAX_REQUESTS_ROWDOT = 1
+# The same where the stages multiply 8-bit inputs (--linear-inputs q8, StageInfo.linear_inputs): one micro-batch
+# alone still wins at 8 streams, two micro-batches at 32. smollm2, Intel Xeon with AMX, one cluster at a time
+# (two kept up, sent to alternately; 4 pairs each): q8 alone 1.10-1.15x two micro-batches' output tokens/s at 8
+# streams, two 1.06-1.15x alone at 32; float32 alone 1.00-1.10x at 8, even at 32 (0.97-1.05). Two clusters
+# loaded side by side mislead here (their 4 stages share 2 cores, so a stage idling in one leaves its core to the
+# other cluster): that way two micro-batches had looked 1.11x (q8, AMD EPYC) and 1.11-1.15x (float32) ahead at 8.
+ALONE_MAX_REQUESTS_Q8 = 16
 FRAME_TIMEOUT_S = 30.0      # a micro-batch unanswered this long is lost: its requests are synced and resumed
 RECONNECT_INTERVAL_S = 1.0  # how often a coordinator retries the handshake of a broken pipeline
 PEER_RECONNECT_BACKOFF_MAX_S = 2.0   # the longest a service-to-service channel waits between connection attempts

@@ -79,7 +79,7 @@ class Driver:
                  alone_max: int | None = None):
         self.pipeline = pipeline
         self.sched = Scheduler(pipeline.num_stages, max_slots, max_tokens)
-        self.alone_max = alone_max   # the scheduler's (None: as the stages' handshakes say, `alone_limit`)
+        self.alone_max = alone_max   # the scheduler's (None: by the stages' inputs, `alone_limit`)
         self.max_slots, self.max_tokens = max_slots, max_tokens   # ours; the route's limits may lower them
         self.frame_timeout_s = frame_timeout_s
         self.recovery_window_s = recovery_window_s

@@ -199,11 +199,11 @@ def stages_widen(stages: list[stage_pb2.StageInfo]) -> bool:
 
 def alone_limit(stages: list[stage_pb2.StageInfo], asked: int | None) -> int:
     """The most active requests the scheduler keeps one micro-batch in flight for: 0 unless every stage widens a
-    micro-batch alone (`stages_widen`), else `asked`, or by default the least any stage's kernels want
-    (StageInfo.alone_max_requests), settings.ALONE_MAX_REQUESTS where none says."""
+    micro-batch alone (`stages_widen`), else `asked`, or by default settings.ALONE_MAX_REQUESTS, or
+    ALONE_MAX_REQUESTS_Q8 where every stage multiplies q8 inputs (StageInfo.linear_inputs)."""
     if not stages_widen(stages):
         return 0
     if asked is not None:
         return asked
-    said = [s.alone_max_requests for s in stages if s.alone_max_requests]
-    return min(said) if said else settings.ALONE_MAX_REQUESTS
+    q8 = all(s.linear_inputs == "q8" for s in stages)
+    return settings.ALONE_MAX_REQUESTS_Q8 if q8 else settings.ALONE_MAX_REQUESTS

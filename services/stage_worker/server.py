@@ -105,7 +105,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             max_frame_rows=self.worker.limits.max_rows, max_frame_slots=self.worker.limits.max_slots,
             max_streams_per_peer=self.max_streams_per_peer, kv_block_tokens=self.worker.block_tokens,
             threads=threads, alone_threads=alone_threads, kernels=m.rows.kernels,
-            linear_inputs=m.rows.inputs, alone_max_requests=m.rows.alone_max_requests())
+            linear_inputs=m.rows.inputs)
 
     def _refusal(self, req: stage_pb2.HandshakeRequest) -> str | None:
         m = self.model

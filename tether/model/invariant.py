@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from tether import settings
 from tether.mathutil import ceil_div
 from tether.model import rowdot
 
@@ -89,11 +88,6 @@ class RowRule:
         if self.tile_unit is not None:
             return RowRule(self.tile_unit, threads=self.threads)
         return self if self.padded else RowRule(None, threads=self.threads)
-
-    def alone_max_requests(self) -> int:
-        """The most active requests for which one micro-batch in flight on every thread beats one per stage on
-        these kernels (StageInfo.alone_max_requests): few on our own, whose products keep a thread busy."""
-        return settings.ALONE_MAX_REQUESTS_ROWDOT if self.linear == "rowdot" else settings.ALONE_MAX_REQUESTS
 
     @property
     def kernels(self) -> str:

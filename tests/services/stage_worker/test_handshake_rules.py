@@ -74,13 +74,3 @@ def test_the_stage_info_says_the_threads_a_step_takes_under_load_and_alone(folde
     info = svc.info()
     assert (info.threads, info.alone_threads) == want
     assert svc.info(disclose=False).alone_threads == want[1]
-
-
-@pytest.mark.parametrize("linear", ["rowdot", "mkl"])
-def test_the_stage_info_says_how_many_requests_its_kernels_want_one_micro_batch_alone_for(folder, linear):
-    """The coordinator's default --alone-max-requests is the least any stage says: its rule's, by its linears'
-    kernel (our own want it only for a single request)."""
-    svc = servicer(folder, 0, 2)
-    svc.worker.model.rows = dataclasses.replace(svc.worker.model.rows, linear=linear)
-    want = settings.ALONE_MAX_REQUESTS_ROWDOT if linear == "rowdot" else settings.ALONE_MAX_REQUESTS
-    assert svc.info().alone_max_requests == want
