@@ -174,10 +174,9 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
         top = torch.topk(logits[wide], NUCLEUS_FIRST, dim=-1).indices
         firsts = {r: float(probs[r, top[i]].min()) for i, r in enumerate(wide)}
     out: list[Kept] = []
-    row = torch.zeros(vocab, dtype=torch.float64) if nucleus else None   # one zeroed row for all: set, summed, reset
+    row = torch.zeros(vocab if nucleus else 0, dtype=torch.float64)   # one zeroed row for all: set, summed, reset
     for r, p in enumerate(params):
         if r in nucleus:
-            assert row is not None
             first = firsts.get(r, 0.0 if vocab <= NUCLEUS_FIRST else None)
             kept = nucleus_kept(probs[r], p.top_p, first, within.get(r))
             row[kept] = probs[r, kept]

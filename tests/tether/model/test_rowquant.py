@@ -69,19 +69,23 @@ def test_blocks_names_round_trip():
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_avx512_row_kernel_gives_the_avx2_bits(kind):
-    """Where the CPU has AVX-512, one row runs on its kernel: the same bits as the AVX2 one (forced here)."""
+    """Where the CPU has AVX-512, one row and 2-32 rows run on its kernels: the AVX2 ones' bits (forced here)."""
     lib = native.library()
     if not lib.kernels_isa(1):
         pytest.skip("no AVX-512 (F, BW, DQ, VL) here: one row runs in AVX2 only")
     weight, blocks = converted(kind, 200, 576, 3)   # 13 column blocks: fours and a remainder
     packed = rowquant.prepare(weight, blocks)
     assert packed is not None
-    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(9))
+
+    def run() -> list[torch.Tensor]:   # one row each, then the tiles that rebuild their weights (2-32 rows)
+        return [rowdot.linear(x[i:i + 1], packed) for i in range(4)] + [rowdot.silu_linear(x[:1], packed)] + \
+            [rowdot.linear(x[:m], packed) for m in (2, 8, 13)] + [rowdot.silu_linear(x[:5], packed)]
     try:
-        wide = [rowdot.linear(x[i:i + 1], packed) for i in range(4)] + [rowdot.silu_linear(x[:1], packed)]
+        wide = run()
         lib.kernels_isa(0)
-        narrow = [rowdot.linear(x[i:i + 1], packed) for i in range(4)] + [rowdot.silu_linear(x[:1], packed)]
+        narrow = run()   # AVX2: one row in registers, more rows through the buffer and rowdot's AVX2 tiles
     finally:
         lib.kernels_isa(1)
     assert all(torch.equal(a, b) for a, b in zip(wide, narrow))
-    assert torch.equal(torch.cat(wide[:4]), rowdot.linear(x, rowdot.pack(weight)))
+    assert torch.equal(torch.cat(wide[:4]), rowdot.linear(x[:4], rowdot.pack(weight)))
