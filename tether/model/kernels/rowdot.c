@@ -170,7 +170,7 @@ void rowdot(const float *x, int64_t ldx, const void *data, int64_t format, int64
     #pragma omp parallel num_threads(threads)
     {
         int64_t b0, b1;
-        rows_share(blocks, format, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        rows_share(blocks, format, m, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
         if (b0 < b1)
             weight_blocks(x, ldx, &w, k, y, ldy, n, m, b0, b1, act);
     }

@@ -79,7 +79,7 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
 static void linear(const float *x, int64_t k, const packed_weight *w, const float *bias, float *y, int64_t n, int64_t m,
                    int act, int64_t t, int64_t team, int64_t *c0, int64_t *c1) {
     int64_t b0, b1;
-    rows_share((n + BLOCK - 1) / BLOCK, w->format, t, team, &b0, &b1);
+    rows_share((n + BLOCK - 1) / BLOCK, w->format, m, t, team, &b0, &b1);
     if (b0 < b1)
         weight_blocks(x, k, w, k, y, n, n, m, b0, b1, act);
     *c0 = b0 * BLOCK;

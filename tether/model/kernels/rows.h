@@ -46,8 +46,8 @@ typedef struct {
     int64_t format;
 } packed_weight;
 
-/* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight; b0 a
- * multiple of 4 (the one-row tile's width). */
+/* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight (any b0; in
+ * rows_share's units they run on the widest tiles). */
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
 
@@ -73,12 +73,15 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
 void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
                int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
-/* Thread t of `team`'s share of a weight's `blocks` column blocks: contiguous, in fours for the formats whose
- * one-row tile takes four (rowdot's and rowquant's), one by one for rowq8's (its tiles take any count: an even
- * split, which matters at one row, where smollm2's 12-block k and v split 8 / 4 in fours), so that rowdot's own
- * threads and rowlayer's split a weight alike. Which thread computes a block never changes its bits. */
-static inline void rows_share(int64_t blocks, int64_t format, int64_t t, int64_t team, int64_t *b0, int64_t *b1) {
-    int64_t unit = format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 ? 1 : 4;
+/* Thread t of `team`'s share of a weight's `blocks` column blocks for m rows: contiguous, in the units the tiles
+ * take them in, so that no thread's share splits a tile: fours for one row of rowdot's and rowquant's formats (their
+ * one-row tile takes four blocks side by side), pairs for 2-6 rows (two blocks a tile), single blocks from 7 rows
+ * and for rowq8's formats (their tiles take any count). The smallest unit evens the shares: smollm2's 36-block q
+ * and 12-block k and v split 20 / 16 and 8 / 4 in fours, 18 / 18 and 6 / 6 one by one. rowdot's own threads and
+ * rowlayer's split a weight alike; which thread computes a block never changes its bits. */
+static inline void rows_share(int64_t blocks, int64_t format, int64_t m, int64_t t, int64_t team, int64_t *b0,
+                              int64_t *b1) {
+    int64_t unit = format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 || m > 6 ? 1 : m > 1 ? 2 : 4;
     int64_t s = (blocks + team - 1) / team;
     s = (s + unit - 1) / unit * unit;
     *b0 = t * s < blocks ? t * s : blocks;
