@@ -221,7 +221,10 @@ class StageWorker:
                 params.append(slot.sampling)
                 positions.append(a.position + len(a.token_ids))
         # Every sampled slot in one batched draw: the tokens of sampler.sample row by row, in a few ops
-        tokens = sampler.sample_rows(self.model.logits(h[ends], wide), params, positions) if ends else []
+        tokens: list[int] = []
+        if ends:
+            last = h if len(ends) == h.shape[0] else h.index_select(0, torch.tensor(ends))   # decode: every row
+            tokens = sampler.sample_rows(self.model.logits(last, wide), params, positions)
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)

@@ -201,6 +201,20 @@ def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams])
     return out
 
 
+def _first_maxima(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """torch.argmax of each of `logits`' rows `rows` (the first maximum; the first NaN where there is one): in C
+    where the kernels are built (argmax.c, reading the rows in place), else torch on the rows gathered."""
+    if not rows:
+        return []
+    lib = _kernels()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return logits[rows].argmax(dim=-1).tolist()
+    which = torch.tensor(rows, dtype=torch.int64)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    lib.rows_argmax(logits.data_ptr(), logits.shape[1], logits.stride(0), which.data_ptr(), len(rows), out.data_ptr())
+    return out.tolist()
+
+
 def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int]) -> list[int]:
     """`sample` for every row of `logits` [rows, vocab] with its own parameters and position: the same tokens,
     bit for bit (tested against `sample` row by row). The last stage samples a micro-batch with it. `sample`
@@ -208,15 +222,15 @@ def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], p
     exact zero, and the first entry whose sum passes the draw is a kept one (the sum rises only there)."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
-    if greedy:   # first maximum per row, as torch.argmax of one row
-        for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
-            tokens[i] = t
+    for i, t in zip(greedy, _first_maxima(logits, greedy)):
+        tokens[i] = t
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if not drawn:
         return tokens
     vocab = logits.shape[-1]
     ps = [params[i] for i in drawn]
-    for i, p, (kept, probs) in zip(drawn, ps, _kept_rows(logits[drawn], ps)):
+    rows = logits if len(drawn) == logits.shape[0] else logits.index_select(0, torch.tensor(drawn))
+    for i, p, (kept, probs) in zip(drawn, ps, _kept_rows(rows, ps)):
         cdf = torch.cumsum(probs, dim=-1)
         u = torch.tensor([uniform(p.seed, positions[i]) * float(cdf[-1])], dtype=torch.float64)
         j = int(torch.searchsorted(cdf, u, right=True))

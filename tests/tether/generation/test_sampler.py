@@ -307,3 +307,22 @@ def test_the_c_nucleus_stays_in_bounds_on_values_no_softmax_gives():
     kept = sampler._native_kept(probs, 0.9)
     assert kept is not None and bool(((kept >= 0) & (kept < 1000)).all())
     assert torch.equal(kept, torch.sort(kept).values)
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, 3.5, float("inf"), float("-inf"), float("nan")])
+
+
+@FAST
+@given(rows=st.lists(st.lists(st.one_of(SPECIAL, st.floats(-4, 4, width=32)), min_size=1, max_size=40),
+                     min_size=1, max_size=5), pick=st.lists(st.integers(0, 4), max_size=6))
+def test_greedy_rows_in_c_are_torch_argmax_of_each_row(rows, pick):
+    """argmax.c against torch.argmax of each row: the first maximum, the first NaN where there is one (torch
+    counts NaN largest), +0 and -0 equal, rows picked in any order (repeats too) from a wider row stride."""
+    needs_c_kernels()
+    n = min(len(r) for r in rows)
+    wide = torch.full((len(rows), n + 3), 99.0)   # the stride's extra columns hold a larger value no row may see
+    for i, r in enumerate(rows):
+        wide[i, :n] = torch.tensor(r[:n], dtype=torch.float32)
+    logits = wide[:, :n]
+    which = [p % len(rows) for p in pick] or list(range(len(rows)))
+    assert sampler._first_maxima(logits, which) == [int(torch.argmax(logits[i])) for i in which]
