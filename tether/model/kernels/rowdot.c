@@ -13,7 +13,6 @@
  * Built with -mavx2 -mfma -mf16c and -ffp-contract=off (no other multiply-add is fused, nothing reassociated).
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -156,22 +155,21 @@ void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, floa
 
 /* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed in `format`
  * (rowdot_pack's fp32 blocks, rowquant.c's or rowq8.c's), on `threads` threads:
- * each takes a contiguous share of the column blocks (rows_share), and every block is
- * computed the same way whoever computes it. OpenMP here is torch's own libgomp (the same soname, already
- * loaded when this library is), so the threads are the pool torch's ops use on the calling thread. */
+ * they take the column blocks in chunks of the tiles' unit (share_unit), first come first served (OpenMP's guided
+ * schedule, as rowlayer.c's phases), and every block is computed the same way whoever computes it. OpenMP here is
+ * torch's own libgomp (the same soname, already loaded when this library is), so the threads are the pool torch's
+ * ops use on the calling thread. */
 void rowdot(const float *x, int64_t ldx, const void *data, int64_t format, int64_t k, float *y, int64_t ldy,
             int64_t n, int64_t m, int threads, int act) {
     packed_weight w = {data, format};
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, unit = share_unit(format, m), chunks = (blocks + unit - 1) / unit;
     if (threads <= 1 || blocks < 8) {
         weight_blocks(x, ldx, &w, k, y, ldy, n, m, 0, blocks, act);
         return;
     }
-    #pragma omp parallel num_threads(threads)
-    {
-        int64_t b0, b1;
-        rows_share(blocks, format, m, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-        if (b0 < b1)
-            weight_blocks(x, ldx, &w, k, y, ldy, n, m, b0, b1, act);
+    #pragma omp parallel for num_threads(threads) schedule(guided)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t b0 = c * unit, b1 = b0 + unit < blocks ? b0 + unit : blocks;
+        weight_blocks(x, ldx, &w, k, y, ldy, n, m, b0, b1, act);
     }
 }

@@ -47,7 +47,7 @@ typedef struct {
 } packed_weight;
 
 /* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight (any b0; in
- * rows_share's units they run on the widest tiles). */
+ * share_unit's units they run on the widest tiles). */
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
 
@@ -73,19 +73,13 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
 void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
                int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
-/* Thread t of `team`'s share of a weight's `blocks` column blocks for m rows: contiguous, in the units the tiles
- * take them in, so that no thread's share splits a tile: fours for one row of rowdot's and rowquant's formats (their
- * one-row tile takes four blocks side by side), pairs for 2-6 rows (two blocks a tile), single blocks from 7 rows
- * and for rowq8's formats (their tiles take any count). The smallest unit evens the shares: smollm2's 36-block q
- * and 12-block k and v split 20 / 16 and 8 / 4 in fours, 18 / 18 and 6 / 6 one by one. rowdot's own threads and
- * rowlayer's split a weight alike; which thread computes a block never changes its bits. */
-static inline void rows_share(int64_t blocks, int64_t format, int64_t m, int64_t t, int64_t team, int64_t *b0,
-                              int64_t *b1) {
-    int64_t unit = format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 || m > 6 ? 1 : m > 1 ? 2 : 4;
-    int64_t s = (blocks + team - 1) / team;
-    s = (s + unit - 1) / unit * unit;
-    *b0 = t * s < blocks ? t * s : blocks;
-    *b1 = *b0 + s < blocks ? *b0 + s : blocks;
+/* The column blocks a chunk of threaded work takes for m rows (rowdot's threads, rowlayer's phases): the units
+ * the tiles take them in, so that no chunk splits a tile: fours for one row of rowdot's and rowquant's formats
+ * (their one-row tile takes four blocks side by side), pairs for 2-6 rows (two blocks a tile), single blocks from
+ * 7 rows and for rowq8's formats (their tiles take any count). The smallest unit evens the threads' work: in fours,
+ * smollm2's 36-block q and 12-block k and v split 20 / 16 and 8 / 4 on 2 threads. */
+static inline int64_t share_unit(int64_t format, int64_t m) {
+    return format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 || m > 6 ? 1 : m > 1 ? 2 : 4;
 }
 
 /* rowattn.c: one query row of one head attended to its request's keys 0..pos; `s`: scores scratch of at least
