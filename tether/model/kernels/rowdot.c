@@ -155,14 +155,15 @@ void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, floa
 
 /* y[m][n] (row stride ldy) = x[m][k] (row stride ldx) @ w.T (silu of it where `act`), w packed in `format`
  * (rowdot_pack's fp32 blocks, rowquant.c's or rowq8.c's), on `threads` threads:
- * they take the column blocks in chunks of the tiles' unit (share_unit), first come first served (OpenMP's guided
+ * they take the column blocks in chunks of the tiles' unit (chunk_unit), first come first served (OpenMP's guided
  * schedule, as rowlayer.c's phases), and every block is computed the same way whoever computes it. OpenMP here is
  * torch's own libgomp (the same soname, already loaded when this library is), so the threads are the pool torch's
  * ops use on the calling thread. */
 void rowdot(const float *x, int64_t ldx, const void *data, int64_t format, int64_t k, float *y, int64_t ldy,
             int64_t n, int64_t m, int threads, int act) {
     packed_weight w = {data, format};
-    int64_t blocks = (n + BLOCK - 1) / BLOCK, unit = share_unit(format, m), chunks = (blocks + unit - 1) / unit;
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, unit = chunk_unit(format, m, blocks, threads);
+    int64_t chunks = (blocks + unit - 1) / unit;
     if (threads <= 1 || blocks < 8) {
         weight_blocks(x, ldx, &w, k, y, ldy, n, m, 0, blocks, act);
         return;

@@ -91,8 +91,8 @@ typedef struct {
 } projection;
 
 static projection part(const float *x, int64_t k, const packed_weight *w, const float *bias, float *y, int64_t n,
-                       int64_t m, int act) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK, unit = share_unit(w->format, m);
+                       int64_t m, int act, int64_t team) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, unit = chunk_unit(w->format, m, blocks, team);
     projection p = {x, k, n, m, unit, (blocks + unit - 1) / unit, w, bias, y, act};
     return p;
 }
@@ -117,6 +117,14 @@ static void chunk(const projection *p, int64_t c, int64_t *c0, int64_t *c1) {
                 p->y[r * p->n + c] = p->y[r * p->n + c] + p->bias[c];
 }
 
+/* every chunk of p, the team's threads taking them in turn (no barrier after: the caller places it) */
+static void project(const projection *p) {
+    int64_t c0, c1;
+    #pragma omp for schedule(guided) nowait
+    for (int64_t c = 0; c < p->chunks; c++)
+        chunk(p, c, &c0, &c1);
+}
+
 static void layer(const layer_shape *s, const layer_weights *w, float *kc, float *vc, float *x, int64_t m,
                   const float *cos, const float *sin, const int64_t *write_rows, const int64_t *pos,
                   const int64_t *first, const int64_t *tables, float *work, float *scores, int64_t t,
@@ -129,19 +137,13 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     for (int64_t r = t; r < m; r += team)
         rms_row(x + r * H, w->ln1, H, s->eps, h + r * H);
     #pragma omp barrier
-    {
-        projection pq = part(h, H, &w->wq, w->bq, q, qd, m, 0), pk = part(h, H, &w->wk, w->bk, k, kd, m, 0),
-                   pv = part(h, H, &w->wv, w->bv, v, kd, m, 0);
-        int64_t all = pq.chunks + pk.chunks + pv.chunks;
-        #pragma omp for schedule(guided) nowait
-        for (int64_t c = 0; c < all; c++) {
-            if (c < pq.chunks)
-                chunk(&pq, c, &c0, &c1);
-            else if (c < pq.chunks + pk.chunks)
-                chunk(&pk, c - pq.chunks, &c0, &c1);
-            else
-                chunk(&pv, c - pq.chunks - pk.chunks, &c0, &c1);
-        }
+    {   /* q, k and v one after the other, no barrier between: a thread done with q's chunks takes k's */
+        projection pq = part(h, H, &w->wq, w->bq, q, qd, m, 0, team);
+        projection pk = part(h, H, &w->wk, w->bk, k, kd, m, 0, team);
+        projection pv = part(h, H, &w->wv, w->bv, v, kd, m, 0, team);
+        project(&pq);
+        project(&pk);
+        project(&pv);
     }
     #pragma omp barrier
     for (int64_t r = t; r < m; r += team) {
@@ -162,7 +164,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     }
     #pragma omp barrier
     {
-        projection po = part(a, qd, &w->wo, NULL, o, H, m, 0);
+        projection po = part(a, qd, &w->wo, NULL, o, H, m, 0, team);
         #pragma omp for schedule(guided) nowait
         for (int64_t c = 0; c < po.chunks; c++) {
             chunk(&po, c, &c0, &c1);
@@ -176,7 +178,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
         rms_row(x + r * H, w->ln2, H, s->eps, h + r * H);
     #pragma omp barrier
     {
-        projection pg = part(h, H, &w->wg, NULL, g, I, m, 1), pu = part(h, H, &w->wu, NULL, u, I, m, 0);
+        projection pg = part(h, H, &w->wg, NULL, g, I, m, 1, team), pu = part(h, H, &w->wu, NULL, u, I, m, 0, team);
         same_chunks(&pg, &pu);
         #pragma omp for schedule(guided) nowait
         for (int64_t c = 0; c < pg.chunks; c++) {
@@ -190,7 +192,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     }
     #pragma omp barrier
     {
-        projection pd = part(g, I, &w->wd, NULL, o, H, m, 0);
+        projection pd = part(g, I, &w->wd, NULL, o, H, m, 0, team);
         #pragma omp for schedule(guided) nowait
         for (int64_t c = 0; c < pd.chunks; c++) {
             chunk(&pd, c, &c0, &c1);

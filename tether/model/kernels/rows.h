@@ -82,6 +82,14 @@ static inline int64_t share_unit(int64_t format, int64_t m) {
     return format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 || m > 6 ? 1 : m > 1 ? 2 : 4;
 }
 
+/* ... except for rowq8's formats, whose every call rounds the rows to 8 bits first: one chunk a thread there
+ * (a fixed share of `blocks` among `team`), so that each thread rounds them once a weight, as before chunks */
+static inline int64_t chunk_unit(int64_t format, int64_t m, int64_t blocks, int64_t team) {
+    if (format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8)
+        return team > 1 ? (blocks + team - 1) / team : blocks > 0 ? blocks : 1;
+    return share_unit(format, m);
+}
+
 /* rowattn.c: one query row of one head attended to its request's keys 0..pos; `s`: scores scratch of at least
  * pos + 1 floats rounded up to 8. */
 void rowattn_row(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t pos,
