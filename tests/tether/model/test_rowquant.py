@@ -28,9 +28,23 @@ def converted(kind: str, out: int, inner: int, seed: int) -> tuple[torch.Tensor,
     return torch.from_numpy(fp32), rowquant.Blocks(kind, torch.from_numpy(np.ascontiguousarray(blocks)))
 
 
+@pytest.fixture(params=["auto", "avx2"])
+def isa(request):
+    """Each test on the kernels the CPU runs and on the AVX2 ones (forced), whose one-row and buffered paths an
+    AVX-512 machine would otherwise never take."""
+    lib = native.library()
+    was = lib.kernels_isa(-1)
+    if request.param == "avx2":
+        lib.kernels_isa(0)
+    try:
+        yield request.param
+    finally:
+        lib.kernels_isa(1 if was else 0)
+
+
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("out, inner", SHAPES)
-def test_rows_equal_rowdot_on_the_converted_weight(kind, out, inner):
+def test_rows_equal_rowdot_on_the_converted_weight(kind, out, inner, isa):
     """Every window of m rows (1, past a 6-row tile, past a 64-row chunk) on 1 and 2 threads, with and without the
     fused SiLU: the same bits as rowdot on the fp32 weight."""
     weight, blocks = converted(kind, out, inner, out * 7 + inner)

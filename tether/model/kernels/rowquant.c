@@ -12,7 +12,8 @@
  *   Q8_0 group, 544 bytes: d[16] fp16, then 32 k-rows of 16 int8
  * Columns past N have d = m = 0, so their weights are +0, as rowdot's zero padding.
  *
- * One row (a decode step alone) dequantizes in registers next to the FMAs, and so do up to 32 rows in AVX-512
+ * One row (a decode step alone) dequantizes in registers next to the FMAs (in AVX2, Q4_1 in even and odd columns:
+ * row_q4_split), and so do up to 32 rows in AVX-512
  * (rowdot512's tiles, the weights rebuilt once a tile of up to 12 rows); more rows, or more than one in AVX2,
  * dequantize two column blocks at a time into a per-thread buffer and run rowdot's tiles over them.
  *
@@ -134,6 +135,73 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
     store_cols(y, col, n, a0, b0, act);
     if (nb > 1)
         store_cols(y, col + BLOCK, n, a1, b1, act);
+}
+
+/* One row against `nb` (1 or 2) Q4_1 column blocks in AVX2, with fewer shuffles than weights_at: a k-row's 8
+ * bytes widened to 8 lanes at once (lane j: byte j, column 2j in its low nibble and 2j + 1 in its high one), the
+ * even columns masked out of the low nibbles and the odd ones out of the high nibbles *in place* (q * 16), whose
+ * scale is d / 16: d / 16 * (q * 16) = d * q, both products exact (d an fp16's 11 bits, q 4 bits; d / 16 stays
+ * normal in float32), so the one rounding of + m gives weights_at's weight bit for bit. The accumulators hold the
+ * even and the odd columns; the stores put them back in order. Three ALU operations fewer per 16 weights (the
+ * shuffle port had bound the one-row kernel on AVX2). */
+static inline __attribute__((always_inline)) __m256 evens(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+}
+static inline __attribute__((always_inline)) __m256 odds(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+}
+
+/* a group's scales as even- and odd-column vectors; the odd columns' d divided by 16 (exact) */
+static inline __attribute__((always_inline)) void
+split_scales(const uint8_t *rec, __m256 *de, __m256 *dob, __m256 *me, __m256 *mo) {
+    __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
+    __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
+    __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32)));
+    __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 48)));
+    *de = evens(d0, d1);
+    *dob = _mm256_mul_ps(odds(d0, d1), _mm256_set1_ps(0.0625f));
+    *me = evens(m0, m1);
+    *mo = odds(m0, m1);
+}
+
+/* even (cols 0, 2, ... 14) and odd (1, 3, ... 15) accumulators back in column order */
+static inline __attribute__((always_inline)) void
+store_split(float *y, int64_t col, int64_t n, __m256 e, __m256 o, int act) {
+    __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);   /* cols 0-3 | 8-11, 4-7 | 12-15 */
+    store_cols(y, col, n, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31), act);
+}
+
+static inline __attribute__((always_inline)) void
+row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, int64_t k, float *y, int64_t col,
+             int64_t n, int act) {
+    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+    const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r0 = blk + g * rec, *r1 = r0 + stride;
+        __m256 de0, do0, me0, mo0, de1 = a0, do1 = a0, me1 = a0, mo1 = a0;
+        split_scales(r0, &de0, &do0, &me0, &mo0);
+        if (nb > 1)
+            split_scales(r1, &de1, &do1, &me1, &mo1);
+        for (int i = 0; i < GROUP; i++) {
+            __m256 xv = _mm256_broadcast_ss(x + g * GROUP + i);
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r0 + 64 + 8 * i)));
+            __m256 we = _mm256_fmadd_ps(de0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), me0);
+            __m256 wo = _mm256_fmadd_ps(do0, _mm256_cvtepi32_ps(_mm256_and_si256(v, high)), mo0);
+            a0 = _mm256_fmadd_ps(xv, we, a0);
+            b0 = _mm256_fmadd_ps(xv, wo, b0);
+            if (nb > 1) {
+                v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r1 + 64 + 8 * i)));
+                we = _mm256_fmadd_ps(de1, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), me1);
+                wo = _mm256_fmadd_ps(do1, _mm256_cvtepi32_ps(_mm256_and_si256(v, high)), mo1);
+                a1 = _mm256_fmadd_ps(xv, we, a1);
+                b1 = _mm256_fmadd_ps(xv, wo, b1);
+            }
+        }
+    }
+    store_split(y, col, n, a0, b0, act);
+    if (nb > 1)
+        store_split(y, col + BLOCK, n, a1, b1, act);
 }
 
 /* AVX-512: k-rows of a group record rebuilt as 16 fp32 weights in one register, by the operations weights_at
@@ -333,6 +401,14 @@ quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, 
     int64_t stride = (k / GROUP) * record_bytes(F);
     if (m == 1 && kernels_isa(-1)) {
         row512(F, x, data, stride, k, y, n, b0, b1, act);
+        return;
+    }
+    if (m == 1 && F == WEIGHT_Q4_1) {
+        int64_t b = b0;
+        for (; b + 2 <= b1; b += 2)
+            row_q4_split(2, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
+        if (b < b1)
+            row_q4_split(1, x, data + b * stride, stride, k, y, b * BLOCK, n, act);
         return;
     }
     if (m == 1) {
