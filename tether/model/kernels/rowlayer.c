@@ -125,6 +125,18 @@ static void project(const projection *p) {
         chunk(p, c, &c0, &c1);
 }
 
+/* the same, each chunk's columns then added to the residual x (x + y, per element, as torch adds them) */
+static void project_residual(const projection *p, float *x) {
+    int64_t c0, c1;
+    #pragma omp for schedule(guided) nowait
+    for (int64_t c = 0; c < p->chunks; c++) {
+        chunk(p, c, &c0, &c1);
+        for (int64_t r = 0; r < p->m; r++)
+            for (int64_t j = c0; j < c1; j++)
+                x[r * p->n + j] = x[r * p->n + j] + p->y[r * p->n + j];
+    }
+}
+
 static void layer(const layer_shape *s, const layer_weights *w, float *kc, float *vc, float *x, int64_t m,
                   const float *cos, const float *sin, const int64_t *write_rows, const int64_t *pos,
                   const int64_t *first, const int64_t *tables, float *work, float *scores, int64_t t,
@@ -165,13 +177,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     #pragma omp barrier
     {
         projection po = part(a, qd, &w->wo, NULL, o, H, m, 0, team);
-        #pragma omp for schedule(guided) nowait
-        for (int64_t c = 0; c < po.chunks; c++) {
-            chunk(&po, c, &c0, &c1);
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t j = c0; j < c1; j++)
-                    x[r * H + j] = x[r * H + j] + o[r * H + j];
-        }
+        project_residual(&po, x);
     }
     #pragma omp barrier
     for (int64_t r = t; r < m; r += team)
@@ -193,13 +199,7 @@ static void layer(const layer_shape *s, const layer_weights *w, float *kc, float
     #pragma omp barrier
     {
         projection pd = part(g, I, &w->wd, NULL, o, H, m, 0, team);
-        #pragma omp for schedule(guided) nowait
-        for (int64_t c = 0; c < pd.chunks; c++) {
-            chunk(&pd, c, &c0, &c1);
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t j = c0; j < c1; j++)
-                    x[r * H + j] = x[r * H + j] + o[r * H + j];
-        }
+        project_residual(&pd, x);
     }
     #pragma omp barrier   /* the next layer's norm reads whole rows */
 }
