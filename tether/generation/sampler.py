@@ -206,6 +206,8 @@ def _first_maxima(logits: torch.Tensor, rows: list[int]) -> list[int]:
     where the kernels are built (argmax.c, reading the rows in place), else torch on the rows gathered."""
     if not rows:
         return []
+    if min(rows) < 0 or max(rows) >= logits.shape[0]:   # the C loop reads them unchecked
+        raise IndexError(f"rows {min(rows)}..{max(rows)} of logits with {logits.shape[0]} rows")
     lib = _kernels()
     if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         return logits[rows].argmax(dim=-1).tolist()

@@ -326,3 +326,11 @@ def test_greedy_rows_in_c_are_torch_argmax_of_each_row(rows, pick):
     logits = wide[:, :n]
     which = [p % len(rows) for p in pick] or list(range(len(rows)))
     assert sampler._first_maxima(logits, which) == [int(torch.argmax(logits[i])) for i in which]
+
+
+def test_greedy_rows_out_of_range_are_refused_not_read():
+    needs_c_kernels()
+    logits = torch.randn(3, 40)
+    for rows in ([3], [0, -1]):
+        with pytest.raises(IndexError):
+            sampler._first_maxima(logits, rows)
