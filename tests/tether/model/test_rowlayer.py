@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from tether.kv.paged import long_tensor
-from tether.model import native, rowdot, rowlayer
+from tether.model import native, rowdot, rowlayer, rowq8, rowquant
 from tether.model.llama import SlotRows
 from tether.model.loader import load_slice, resolve_model
 
@@ -155,3 +158,41 @@ def test_tensors_the_kernel_would_misread_are_refused_before_the_call():
             stack.run(x.clone(), args["keys"], args["values"], args["cos"], args["sin"], *plan)
     with pytest.raises(ValueError, match="rowlayer"):
         stack.run(x.t().contiguous().t(), good["keys"], good["values"], good["cos"], good["sin"], *plan)
+
+
+def test_gate_and_up_in_different_formats_take_the_same_chunks():
+    """A layer whose gate is rowq8's (one chunk a thread: each call rounds the rows again) and whose up is fp32
+    blocks (fours at one row, single blocks from 7): the MLP takes their product chunk by chunk, so the two must be
+    chunked alike (the larger unit). Every row then has the same bits on 1, 2 and 3 threads, as with one format."""
+    hidden, inter, heads, kv_heads, d = 64, 160, 4, 2, 16   # 10 column blocks of the MLP: fours leave two
+    g = torch.Generator().manual_seed(21)
+    stack = rowlayer.random_stack(hidden, inter, heads, kv_heads, d, BLOCK, 1, g)
+    groups = quantize(np.random.default_rng(3).standard_normal((inter, hidden)).astype(np.float32) * 0.1,
+                      GGMLQuantizationType.Q4_1)
+    gate = rowq8.pack(rowquant.Blocks("q4_1", torch.from_numpy(np.ascontiguousarray(groups))), inter, hidden)
+    layer = stack.layers[0]
+    mixed = rowlayer.Stack(stack.shape, [dataclasses.replace(
+        layer, projections=(*layer.projections[:4], gate, *layer.projections[5:]))])
+    assert mixed.layers[0].projections[4].format != mixed.layers[0].projections[5].format
+
+    def run(rows: int, threads: int) -> torch.Tensor:
+        positions = list(range(rows))
+        writes = [(p // BLOCK * kv_heads + h) * BLOCK + p % BLOCK for p in positions for h in range(kv_heads)]
+        blocks = rows // BLOCK + 1
+        keys, values = [torch.zeros(blocks, kv_heads, BLOCK, d)], [torch.zeros(blocks, kv_heads, BLOCK, d)]
+        angles = torch.tensor(positions, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1.0, d // 2)
+        cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+        x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            return mixed.run(x, keys, values, cos, sin, long_tensor(writes), long_tensor(positions),
+                             long_tensor([0] * rows), long_tensor(list(range(blocks))), rows)
+        finally:
+            torch.set_num_threads(before)
+
+    for rows in (1, 8):
+        one = run(rows, 1)
+        assert torch.isfinite(one).all()
+        for threads in (2, 3):
+            assert torch.equal(run(rows, threads), one), f"{rows} rows on {threads} threads"
