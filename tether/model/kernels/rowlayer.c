@@ -74,7 +74,7 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
     memcpy(v, t, (size_t)d * sizeof(float));
 }
 
-/* A projection's column blocks in chunks of its tiles' unit (share_unit), taken first come first served by the
+/* A projection's column blocks in chunks of its tiles' unit (chunk_unit), taken first come first served by the
  * team's threads: OpenMP's guided schedule, whose first chunks are about a fixed share long (a thread still streams
  * contiguous weights) and whose last are a unit each. On cores shared with the other services a thread can lose its
  * core mid-phase; with fixed shares the whole team then waited at the next barrier until it got it back (smollm2

@@ -47,7 +47,7 @@ typedef struct {
 } packed_weight;
 
 /* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight (any b0; in
- * share_unit's units they run on the widest tiles). */
+ * chunk_unit's units they run on the widest tiles). */
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
                    int64_t m, int64_t b0, int64_t b1, int act);
 
@@ -73,21 +73,16 @@ void weight_blocks(const float *x, int64_t ldx, const packed_weight *w, int64_t 
 void q8_blocks(int64_t format, const float *x, int64_t ldx, const uint8_t *data, int64_t k, float *y, int64_t ldy,
                int64_t n, int64_t m, int64_t b0, int64_t b1, int act);
 
-/* The column blocks a chunk of threaded work takes for m rows (rowdot's threads, rowlayer's phases): the units
- * the tiles take them in, so that no chunk splits a tile: fours for one row of rowdot's and rowquant's formats
- * (their one-row tile takes four blocks side by side), pairs for 2-6 rows (two blocks a tile), single blocks from
- * 7 rows and for rowq8's formats (their tiles take any count). The smallest unit evens the threads' work: in fours,
- * smollm2's 36-block q and 12-block k and v split 20 / 16 and 8 / 4 on 2 threads. */
-static inline int64_t share_unit(int64_t format, int64_t m) {
-    return format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8 || m > 6 ? 1 : m > 1 ? 2 : 4;
-}
-
-/* ... except for rowq8's formats, whose every call rounds the rows to 8 bits first: one chunk a thread there
- * (a fixed share of `blocks` among `team`), so that each thread rounds them once a weight, as before chunks */
+/* The column blocks a chunk of threaded work takes for m rows (rowdot's threads, rowlayer's phases) out of a
+ * weight's `blocks` shared by `team` threads: the units the tiles take them in, so that no chunk splits a tile:
+ * fours for one row of rowdot's and rowquant's formats (their one-row tile takes four blocks side by side), pairs
+ * for 2-6 rows (two blocks a tile), single blocks from 7 rows. The smallest unit evens the threads' work: in fours,
+ * smollm2's 36-block q and 12-block k and v split 20 / 16 and 8 / 4 on 2 threads. rowq8's formats take one chunk a
+ * thread (a fixed share): its every call rounds the rows to 8 bits first, so smaller chunks would round them again. */
 static inline int64_t chunk_unit(int64_t format, int64_t m, int64_t blocks, int64_t team) {
     if (format == WEIGHT_Q4_1_Q8 || format == WEIGHT_Q8_0_Q8)
         return team > 1 ? (blocks + team - 1) / team : blocks > 0 ? blocks : 1;
-    return share_unit(format, m);
+    return m > 6 ? 1 : m > 1 ? 2 : 4;
 }
 
 /* rowattn.c: one query row of one head attended to its request's keys 0..pos; `s`: scores scratch of at least
