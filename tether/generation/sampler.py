@@ -3,6 +3,12 @@
 A token depends only on the request's own logits row, its parameters, its seed and the position: the
 uniform draw comes from a generator keyed by (seed, position), and the token is picked by inverse CDF in
 vocabulary order. That makes the draw checkable after the fact (see `draw_interval`).
+
+Every entry point runs torch on one thread (`invariant.one_thread`): from 32,768 entries torch splits a row's
+reductions (softmax's sum, top-p's renormalising sum) across its threads, so a row's probabilities followed the
+process's thread count and, on more than one, whether the row was sampled alone or beside others (smollm2's
+49,152 logits: 102 of 400 rows differed between 1 and 2 threads). A stage's token then depended on its
+`--threads`; now it is the same bits everywhere.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import functools
 import torch
 import xxhash
 
+from tether.model.invariant import one_thread
 from tether.v1 import common_pb2
 
 
@@ -21,6 +28,7 @@ def uniform(seed: int, position: int) -> float:
     return float(torch.rand((), generator=g, dtype=torch.float64))
 
 
+@one_thread()
 def filtered_probs(logits: torch.Tensor, params: common_pb2.SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p (float64, vocabulary order)."""
     x = logits.double() / params.temperature
@@ -38,6 +46,7 @@ def filtered_probs(logits: torch.Tensor, params: common_pb2.SamplingParams) -> t
     return probs
 
 
+@one_thread()
 def sample(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:
     """One token from one row of float logits; greedy (first maximum) when temperature is 0."""
     if params.temperature <= 0:
@@ -47,6 +56,7 @@ def sample(logits: torch.Tensor, params: common_pb2.SamplingParams, position: in
     return min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)), logits.numel() - 1)
 
 
+@one_thread()
 def draw_distance(logits: torch.Tensor, params: common_pb2.SamplingParams, token: int, position: int) -> float:
     """How far the draw fell outside `token`'s CDF interval (0 when the reference would pick it too).
 
@@ -189,6 +199,7 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
     return out
 
 
+@one_thread()
 def filtered_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) -> torch.Tensor:
     """`filtered_probs` of every row of `logits` [rows, vocab] with its own parameters (every temperature > 0),
     bit for bit, as one tensor: `_kept_rows` with the dropped entries zero."""
@@ -217,6 +228,7 @@ def _first_maxima(logits: torch.Tensor, rows: list[int]) -> list[int]:
     return out.tolist()
 
 
+@one_thread()
 def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int]) -> list[int]:
     """`sample` for every row of `logits` [rows, vocab] with its own parameters and position: the same tokens,
     bit for bit (tested against `sample` row by row). The last stage samples a micro-batch with it. `sample`

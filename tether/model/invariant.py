@@ -199,13 +199,30 @@ def invariant_threads(rows: int, rule: RowRule, wide: int = 0) -> Iterator[int]:
     """Run an invariant forward of `rows` rows on `threads_for(rows, rule, wide=wide)` threads, then restore the
     count. One invariant forward at a time per process, since the count is process-wide."""
     with _THREADS_LOCK:
-        before = torch.get_num_threads()
-        use = threads_for(rows, rule, before, wide)
-        if use == before:
+        use = threads_for(rows, rule, torch.get_num_threads(), wide)
+        with _set_threads(use):
             yield use
-            return
-        torch.set_num_threads(use)
-        try:
-            yield use
-        finally:
-            torch.set_num_threads(before)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's ops on one thread, then restore the count: for arithmetic whose bits must not follow the
+    process's thread count (sampling: tether/generation/sampler.py). Inside another `one_thread` it is a no-op."""
+    if torch.get_num_threads() == 1:
+        yield
+        return
+    with _THREADS_LOCK, _set_threads(1):
+        yield
+
+
+@contextmanager
+def _set_threads(use: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if use == before:
+        yield
+        return
+    torch.set_num_threads(use)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -254,6 +254,31 @@ def test_sample_rows_on_the_real_vocabulary(nucleus_path):
         sampler.sample(logits[i], params[i], positions[i]) for i in range(8)]
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_probabilities_do_not_follow_the_thread_count(threads):
+    """torch splits a row's reductions across threads from 32,768 entries: sampling runs on one thread, so a row's
+    probabilities are the same bits whatever the process's count, alone or beside others (without the pin, ~1 in 4
+    of these rows differed between 1 and 2 threads)."""
+    g = torch.Generator().manual_seed(threads)
+    logits = torch.randn(4, 49152, generator=g) * 2
+    params = [sampling_params(temperature=0.8, seed=1), sampling_params(temperature=1.0, top_p=0.9, seed=2),
+              sampling_params(temperature=0.7, top_k=40, seed=3),
+              sampling_params(temperature=0.9, top_k=400, top_p=0.95, seed=4)]
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            got[n] = ([sampler.filtered_probs(logits[i], p) for i, p in enumerate(params)],
+                      sampler.filtered_rows(logits, params))
+            assert torch.get_num_threads() == n   # restored after each call
+        for alone_1, alone_n, batched_1, batched_n in zip(got[1][0], got[threads][0], got[1][1], got[threads][1]):
+            for other in (alone_n, batched_1, batched_n):
+                assert torch.equal(alone_1.view(torch.int64), other.view(torch.int64))
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- the C kernel's nucleus against torch's, entry for entry ------------------------------------------------
 
 ROWS = st.sampled_from(["flat", "peaked", "ties", "tiny tail", "one", "zeros"])
