@@ -53,13 +53,21 @@ rows_tile(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, 
     OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
 }
 
-/* One row against 4 blocks (a decode step alone): 8 chains, 4 weight streams. */
+/* One row against 4 blocks (a decode step alone): 8 chains, 4 weight streams. Each stream asks for its line
+ * AHEAD k-rows on (2 KiB), and near its block's end for the same stream's line of the next 4 blocks (a thread's
+ * blocks follow in memory; a prefetch never faults): smollm2's 17 layers on fp32 blocks, one row, 2 threads,
+ * interleaved (Xeon): 9.15 -> 8.38 ms hot, 9.63 -> 9.20 after 8 ms idle (8, 16 or 64 k-rows ahead: less). */
+#define AHEAD 32
 static void row_by_4_blocks(const float *x, const float *wp, int64_t k, float *y, int64_t col, int64_t n, int act) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     const float *p0 = wp, *p1 = wp + k * BLOCK, *p2 = wp + 2 * k * BLOCK, *p3 = wp + 3 * k * BLOCK;
     for (int64_t i = 0; i < k; i++) {
         __m256 xv = _mm256_broadcast_ss(x + i);
-        int64_t o = i * BLOCK;
+        int64_t o = i * BLOCK, f = o + AHEAD * BLOCK + (i + AHEAD >= k ? 3 * k * BLOCK : 0);
+        _mm_prefetch((const char *)(p0 + f), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + f), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p2 + f), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p3 + f), _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(xv, _mm256_load_ps(p0 + o), a0);
         b0 = _mm256_fmadd_ps(xv, _mm256_load_ps(p0 + o + 8), b0);
         a1 = _mm256_fmadd_ps(xv, _mm256_load_ps(p1 + o), a1);
