@@ -224,7 +224,8 @@ class StageWorker:
         tokens: list[int] = []
         if ends:
             last = h if len(ends) == h.shape[0] else h.index_select(0, torch.tensor(ends))   # decode: every row
-            tokens = sampler.sample_rows(self.model.logits(last, wide), params, positions)
+            # alone (`wide`), the other stages' cores are idle: the rows' draws take as many threads
+            tokens = sampler.sample_rows(self.model.logits(last, wide), params, positions, threads=max(wide, 1))
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)

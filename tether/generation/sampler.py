@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -229,18 +230,54 @@ def _first_maxima(logits: torch.Tensor, rows: list[int]) -> list[int]:
 
 
 @one_thread()
-def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int]) -> list[int]:
+def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int],
+                threads: int = 1) -> list[int]:
     """`sample` for every row of `logits` [rows, vocab] with its own parameters and position: the same tokens,
     bit for bit (tested against `sample` row by row). The last stage samples a micro-batch with it. `sample`
     searches the cumulative sum of the whole filtered row; here the kept entries' alone: a dropped entry adds an
-    exact zero, and the first entry whose sum passes the draw is a kept one (the sum rises only there)."""
+    exact zero, and the first entry whose sum passes the draw is a kept one (the sum rises only there).
+    `threads` > 1: the drawn rows split in that many runs, each sampled on its own thread (every row's torch still
+    on one: the same bits), for a micro-batch alone in the pipeline, whose other stages' cores are idle."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
     for i, t in zip(greedy, _first_maxima(logits, greedy)):
         tokens[i] = t
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not drawn:
+    runs = min(threads, len(drawn) // ROWS_PER_THREAD)
+    if runs <= 1:
+        _draw(logits, params, positions, drawn, tokens)
         return tokens
+    cut = [len(drawn) * t // runs for t in range(runs + 1)]
+    pool = _pool(runs - 1)
+    helpers = [pool.submit(_draw_pinned, logits, params, positions, drawn[cut[t]:cut[t + 1]], tokens)
+               for t in range(1, runs)]
+    _draw(logits, params, positions, drawn[:cut[1]], tokens)
+    for h in helpers:
+        h.result()
+    return tokens
+
+
+ROWS_PER_THREAD = 4   # fewer drawn rows than this a thread: one thread (a handoff costs ~0.1 ms)
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="sample")
+
+
+def _draw_pinned(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int],
+                 drawn: list[int], tokens: list[int]) -> None:
+    """`_draw` on a helper thread: its own OpenMP count pinned to one (a thread's count is its own; the process's
+    is one already, inside sample_rows)."""
+    torch.set_num_threads(1)
+    _draw(logits, params, positions, drawn, tokens)
+
+
+def _draw(logits: torch.Tensor, params: list[common_pb2.SamplingParams], positions: list[int], drawn: list[int],
+          tokens: list[int]) -> None:
+    """tokens[i] for each row i of `drawn` (temperature > 0)."""
+    if not drawn:
+        return
     vocab = logits.shape[-1]
     ps = [params[i] for i in drawn]
     rows = logits if len(drawn) == logits.shape[0] else logits.index_select(0, torch.tensor(drawn))
@@ -249,5 +286,3 @@ def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], p
         u = torch.tensor([uniform(p.seed, positions[i]) * float(cdf[-1])], dtype=torch.float64)
         j = int(torch.searchsorted(cdf, u, right=True))
         tokens[i] = vocab - 1 if j >= cdf.numel() else (j if kept is None else int(kept[j]))
-    return tokens
-

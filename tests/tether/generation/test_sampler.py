@@ -279,6 +279,22 @@ def test_probabilities_do_not_follow_the_thread_count(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_drawn_on_several_threads_are_the_tokens_of_one(threads):
+    """sample_rows(threads=N) splits the drawn rows in runs, each on its own thread: every token as `sample` gives
+    it alone, greedy rows too, and the process's thread count restored."""
+    g = torch.Generator().manual_seed(threads)
+    rows = 19
+    logits = torch.randn(rows, 49152, generator=g) * 3
+    params = [sampling_params(temperature=[0.0, 0.6, 1.0, 1.3][i % 4], top_k=[0, 40, 0, 400][i % 4 // 2 * 2 + i % 2],
+                              top_p=[0.0, 0.9, 0.5][i % 3], seed=i) for i in range(rows)]
+    positions = list(range(50, 50 + rows))
+    before = torch.get_num_threads()
+    got = sampler.sample_rows(logits, params, positions, threads=threads)
+    assert torch.get_num_threads() == before
+    assert got == [sampler.sample(logits[i], params[i], positions[i]) for i in range(rows)]
+
+
 # --- the C kernel's nucleus against torch's, entry for entry ------------------------------------------------
 
 ROWS = st.sampled_from(["flat", "peaked", "ties", "tiny tail", "one", "zeros"])
