@@ -18,7 +18,10 @@ same requests and one load client, paired and alternating; medians of output tok
   length).
 
 For each workload and concurrency: warm-up requests on both sides (not counted), then --repeats runs per
-side, alternating which goes first, on the same requests; the medians and tether ÷ llama-server.
+side, alternating which goes first, on the same requests; the medians and tether ÷ llama-server. Beside each
+synthetic row, the most tok/s tether's arithmetic allows at that concurrency (bench/arithmetic_ceiling.py, timed
+in this process before the cluster starts): a ratio under a target shows there whether the arithmetic or the rest
+of the serving falls short.
 
     .venv/bin/python bench/llama_server_vs_tether.py --concurrency 1,8,32 --requests 8,16,32 --repeats 3
 """
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from bench import llama_server  # noqa: E402
+from bench import arithmetic_ceiling, llama_server  # noqa: E402
 from tether import settings  # noqa: E402
 from tether.client import TetherError  # noqa: E402
 from tether.loadtest import loadgen, stats  # noqa: E402
@@ -191,6 +194,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
+    p.add_argument("--no-ceiling", action="store_true", help="skip timing the arithmetic ceiling (~20-60 s)")
     p.add_argument("--isa", choices=llama_server.ISAS, default="native",
                    help="native: each side uses what the CPU has; avx2: both keep to AVX2 (llama-server built "
                         "without AVX-512, tether's kernels with %s=avx2): an AVX2-only CPU's code on this one "
@@ -233,6 +237,13 @@ def main() -> None:
                 stage_threads=stage_threads, llama_threads=threads, isa=args.isa)
     print(f"{meta['date']}: tether {args.stages} stage(s) x {stage_threads} thread(s) vs llama-server -t {threads}; "
           f"CPU flags: {' '.join(flags)}; instruction sets: {args.isa}", flush=True)
+    ceilings: dict[int, arithmetic_ceiling.Round] = {}
+    if "synthetic" in workloads and not args.no_ceiling:
+        print("timing the arithmetic ceiling (the whole model in this process) ...", file=sys.stderr, flush=True)
+        ceilings = {r.concurrency: r for r in arithmetic_ceiling.measure(
+            concurrencies, threads, args.input_len, args.output_len, args.linear_inputs)}
+        meta["ceiling"] = {c: dict(decode_ms=r.decode_ms, head_ms=r.head_ms, prefill_ms=r.prefill_ms,
+                                   tok_s=r.tok_s(args.output_len)) for c, r in ceilings.items()}
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
         logs = Path(tmp)
@@ -285,11 +296,22 @@ def main() -> None:
         finally:
             cluster.stop()
     print()
-    print("| workload | concurrency | requests | tether tok/s | llama-server tok/s | tether ÷ llama-server |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | concurrency | requests | tether tok/s | llama-server tok/s | tether ÷ llama-server | "
+          "arithmetic ceiling tok/s (÷ llama-server) |")
+    print("|---|---|---|---|---|---|---|")
     for row in results:
+        ceiling = ceilings.get(row["concurrency"]) if row["workload"] == "synthetic" else None
+        top = ceiling.tok_s(args.output_len) if ceiling else None
+        row["ceiling_tok_s"] = top
         print(f"| {row['workload']} | {row['concurrency']} | {row['requests']} | {row['tether_tok_s']:.1f} | "
-              f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} |")
+              f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} | "
+              + (f"{top:.1f} ({top / row['llama_server_tok_s']:.2f}×)" if top and row["llama_server_tok_s"] else "–")
+              + " |")
+    if ceilings:
+        print("arithmetic ceiling: " + "; ".join(
+            f"{c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{args.output_len} x prefill "
+            f"{r.prefill_ms:.1f}" for c, r in ceilings.items()) + " (bench/arithmetic_ceiling.py: sampling, hops "
+            "and the coordinator left out)")
     print(f"\nmedians of {args.repeats} paired, alternating runs; tether: {meta.get('tether_kernels')}; "
           f"llama-server: {meta.get('system_info')}")
     if args.out:

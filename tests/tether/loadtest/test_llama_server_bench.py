@@ -1,5 +1,6 @@
 """bench/llama_server.py and bench/llama_server_vs_tether.py's pure parts: the binary's cache key from the CPU
-flags, llama-server's command line, and each side's request body. Nothing is built or started here."""
+flags, llama-server's command line, each side's request body, and the arithmetic ceiling's round. Nothing is
+built or started here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import llama_server
+from bench import arithmetic_ceiling, llama_server
 from bench.llama_server_vs_tether import chat_body
 
 AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
@@ -121,3 +122,12 @@ def test_a_native_build_on_an_amx_cpu_leaves_ggml_s_amx_out_and_is_cached_apart(
     assert not set(llama_server.cmake_options("native", flags)) & set(llama_server.NO_AMX_OPTIONS)
     assert llama_server.cmake_options("avx2", [*flags, "amx_int8"]) == llama_server.cmake_options("avx2", flags)
     assert llama_server.binary_path([*flags, "amx_int8"], home=tmp_path) != llama_server.binary_path(flags, home=tmp_path)
+
+
+def test_the_arithmetic_ceiling_prefills_one_prompt_per_output_len_tokens_of_a_round():
+    # 8 streams: 20 ms of decode rows + 5 of head + 8/64 of an 80 ms prefill = a 35 ms round of 8 tokens
+    assert arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0).tok_s(64) == pytest.approx(8 / 0.035)
+    # one stream: every token pays 1/64 of its prompt
+    assert arithmetic_ceiling.Round(1, 6.0, 1.5, 64.0).tok_s(64) == pytest.approx(1 / 0.0085)
+    # longer answers spread the prompt thinner
+    assert arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0).tok_s(128) > arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0).tok_s(64)
