@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.layer_rules import decode_ms  # noqa: E402
+from tether import settings  # noqa: E402
+from tether.model import dtypes  # noqa: E402
 from tether.model.llama import SlotRows  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
 
@@ -84,7 +86,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="threads, the stages' in total (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--linear-inputs", default="float32", choices=("float32", "q8"))
+    p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
+                   help="what the linears multiply, as the stages' --linear-inputs (default: %(default)s)")
     args = p.parse_args()
     for r in measure([int(c) for c in args.concurrency.split(",")], args.threads, args.input_len, args.output_len,
                      args.linear_inputs):

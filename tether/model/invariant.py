@@ -207,7 +207,8 @@ def invariant_threads(rows: int, rule: RowRule, wide: int = 0) -> Iterator[int]:
 @contextmanager
 def one_thread() -> Iterator[None]:
     """Run torch's ops on one thread, then restore the count: for arithmetic whose bits must not follow the
-    process's thread count (sampling: tether/generation/sampler.py). Inside another `one_thread` it is a no-op."""
+    process's thread count (sampling: tether/generation/sampler.py). Inside another `one_thread` it is a no-op;
+    never inside `invariant_threads` on the same thread (the count is then not one, and the lock not re-entrant)."""
     if torch.get_num_threads() == 1:
         yield
         return

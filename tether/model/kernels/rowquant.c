@@ -108,23 +108,19 @@ dequant_block(const int64_t F, const uint8_t *blk, int64_t k, float *out) {
     }
 }
 
-/* One row reads each group record once, and between a stage's steps (the other stage's turn, a client's pause)
- * its weights fall out of the caches: a served decode step streams them from memory. The hardware prefetcher
- * follows each record stream, not far enough ahead, and starts every new block cold. So each stream asks for
- * the record two ahead of the one it reads (three or four ahead measured the same), and past its block's end for
- * the first records of the block it will read next: the same stream of the next `nb` blocks, `skip` bytes on
- * (a thread's chunk walks its blocks in order; at a chunk's end the guess may miss, and a prefetch never faults).
- * A cold step (17 layers after 8 ms idle, 2 threads, Xeon) 4.18 -> 3.84 ms with the records ahead and
- * 3.79 -> 3.51 with the next blocks too in AVX2, 3.83 -> 3.72 -> 3.40 in AVX-512; the cold head (30 MB of
- * Q8_0) 3.80 -> 2.60 (AVX2) and 2.40 -> 2.15 (AVX-512, next blocks); hot ones within 0-5% (docs/PERFORMANCE.md). */
-#define PREFETCH_RECORDS 2
-/* for the stream reading `block`'s group g of `groups` records of `bytes` each */
-static inline __attribute__((always_inline)) void prefetch_record(const uint8_t *block, int64_t g, int64_t groups,
-                                                                  int64_t bytes, int64_t skip) {
-    int64_t ahead = g + PREFETCH_RECORDS;
-    const char *p = (const char *)block + ahead * bytes + (ahead >= groups ? skip : 0);
-    for (int64_t l = 0; l < bytes; l += 64)
-        _mm_prefetch(p + l, _MM_HINT_T0);
+/* The `nb` record streams of a one-row kernel reading blocks blk, blk + stride, ... side by side, at group g of
+ * `groups` (records of `bytes`): each asks for its record PREFETCH_RECORDS ahead (rows.h), and past its block's end
+ * for the first records of the block it reads next, the same stream of the next `nb` blocks (a thread's chunk walks
+ * its blocks in order; at a chunk's end the guess may miss). The hardware prefetcher follows each stream, not far
+ * enough ahead, and starts every new block cold. A cold step (17 layers after 8 ms idle, 2 threads, Xeon)
+ * 4.18 -> 3.84 ms with the records ahead and 3.79 -> 3.51 with the next blocks too in AVX2, 3.83 -> 3.72 -> 3.40
+ * in AVX-512; the cold head (30 MB of Q8_0) 3.80 -> 2.60 (AVX2) and 2.40 -> 2.15 (AVX-512, next blocks); hot ones
+ * within 0-5% (docs/PERFORMANCE.md). */
+static inline __attribute__((always_inline)) void
+prefetch_streams(const uint8_t *blk, int nb, int64_t stride, int64_t g, int64_t groups, int64_t bytes) {
+    int64_t ahead = g + PREFETCH_RECORDS, at = ahead * bytes + (ahead >= groups ? (nb - 1) * stride : 0);
+    for (int j = 0; j < nb; j++)
+        prefetch_lines(blk + j * stride + at, bytes);
 }
 
 /* one row against `nb` (1 or 2) column blocks side by side: 2 chains a block, the dequantizing between them */
@@ -136,9 +132,7 @@ row_blocks(const int64_t F, const int nb, const float *x, const uint8_t *blk, in
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r0 = blk + g * rec, *r1 = r0 + stride;
         __m256 d0, d1, m0, m1, e0, e1, n0, n1, lo, hi;
-        prefetch_record(blk, g, k / GROUP, rec, (nb - 1) * stride);
-        if (nb > 1)
-            prefetch_record(blk + stride, g, k / GROUP, rec, (nb - 1) * stride);
+        prefetch_streams(blk, nb, stride, g, k / GROUP, rec);
         scales(F, r0, &d0, &d1, &m0, &m1);
         if (nb > 1)
             scales(F, r1, &e0, &e1, &n0, &n1);
@@ -202,9 +196,7 @@ row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, i
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r0 = blk + g * rec, *r1 = r0 + stride;
         __m256 de0, do0, me0, mo0, de1 = a0, do1 = a0, me1 = a0, mo1 = a0;
-        prefetch_record(blk, g, k / GROUP, rec, (nb - 1) * stride);
-        if (nb > 1)
-            prefetch_record(blk + stride, g, k / GROUP, rec, (nb - 1) * stride);
+        prefetch_streams(blk, nb, stride, g, k / GROUP, rec);
         split_scales(r0, &de0, &do0, &me0, &mo0);
         if (nb > 1)
             split_scales(r1, &de1, &do1, &me1, &mo1);
@@ -274,9 +266,9 @@ row_blocks512(const int64_t F, const int nb, const float *x, const uint8_t *blk,
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r[4];
         __m512 d[4], m[4];
+        prefetch_streams(blk, nb, stride, g, k / GROUP, rec);
         for (int j = 0; j < nb; j++) {
             r[j] = blk + j * stride + g * rec;
-            prefetch_record(blk + j * stride, g, k / GROUP, rec, (nb - 1) * stride);
             scales512(F, r[j], &d[j], &m[j]);
         }
         for (int i = 0; i < GROUP; i += 2) {

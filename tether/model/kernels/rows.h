@@ -46,6 +46,16 @@ typedef struct {
     int64_t format;
 } packed_weight;
 
+/* The one-row kernels of the file's groups (rowquant.c, rowq8.c) read each group record once, and a served step
+ * finds them cold (the other stage's turn evicted them): each record stream asks for the record PREFETCH_RECORDS
+ * ahead of the one it reads (three or four measured the same as two; docs/PERFORMANCE.md "Served steps are cold").
+ * A prefetch never faults, so one past the weight's end is harmless. */
+#define PREFETCH_RECORDS 2
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64)
+        _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+}
+
 /* rowdot.c: y = x @ w.T (silu of it where `act`) for the column blocks [b0, b1) of a packed weight (any b0; in
  * chunk_unit's units they run on the widest tiles). */
 void rowdot_blocks(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t n,
