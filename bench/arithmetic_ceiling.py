@@ -4,10 +4,13 @@ target out of reach shows why (the arithmetic) or that the rest of the serving i
 
 At C streams of --input-len / --output-len requests, with one micro-batch in flight (as tether runs up to 32
 requests), every round decodes C rows through all the layers and the head, and a new request's prompt is
-prefilled once per --output-len tokens it yields: per round C / output_len prefills. The whole model in one
-process on the threads the stages have in total, the same numerics (`--dtype auto`, --linear-inputs) and
-instruction sets; each time a median. Sampling, the hops and the coordinator are left out: the gap between this
-ceiling and the served rate is theirs (and the other processes' share of the cores).
+prefilled once per --output-len tokens it yields: per round C / output_len prefills. A prompt is prefilled as
+served: --input-len tokens of text sent as one user message, so with the model's chat template around them
+(smollm2's system turn adds 30 tokens: 64 become 94), and as many prompts to a call as the coordinator puts in a
+micro-batch (MAX_BATCH_TOKENS rows, at most C prompts). The whole model in one process on the threads the stages
+have in total, the same numerics (`--dtype auto`, --linear-inputs) and instruction sets; each time a median.
+Sampling, the hops and the coordinator are left out: the gap between this ceiling and the served rate is theirs
+(and the other processes' share of the cores).
 
     .venv/bin/python bench/arithmetic_ceiling.py --concurrency 1,8,32 --threads 2
 """
@@ -27,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.layer_rules import decode_ms  # noqa: E402
 from tether import settings  # noqa: E402
+from tether.loadtest.workloads import SyntheticSpec, Workload  # noqa: E402
 from tether.model import dtypes  # noqa: E402
+from tether.model.chat_template import load_chat_template, tokenize_conversation  # noqa: E402
+from tether.model.folder import load_model_tokenizer  # noqa: E402
 from tether.model.llama import SlotRows  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
 
@@ -39,7 +45,8 @@ class Round:
     concurrency: int
     decode_ms: float     # the C rows through every layer
     head_ms: float       # ... and the head
-    prefill_ms: float    # one prompt of input_len tokens through every layer (its head: one row, left out)
+    prefill_ms: float    # one prompt as served, through every layer (its head: one row, left out), batched as served
+    prompt_tokens: int = 0   # the prompt's tokens as served (the text's and its chat template's)
 
     def tok_s(self, output_len: int) -> float:
         """Output tok/s if rounds were only this arithmetic: C tokens a round, C / output_len prefills in it."""
@@ -48,33 +55,63 @@ class Round:
         return c / ms * 1000.0
 
 
-def prefill_ms(model, input_len: int, threads: int, repeats: int = 3) -> float:
+def prompts_per_call(concurrency: int, prompt_tokens: int) -> int:
+    """How many new prompts the coordinator prefills in one micro-batch: as many whole prompts as fit in
+    MAX_BATCH_TOKENS rows (a longer one goes in chunks, one prompt a call), at most one per stream."""
+    return max(1, min(concurrency, settings.MAX_BATCH_SLOTS, settings.MAX_BATCH_TOKENS // max(1, prompt_tokens)))
+
+
+def prefill_ms(model, prompt_tokens: int, threads: int, prompts: int = 1, repeats: int = 3) -> float:
+    """A prompt's share of a call that prefills `prompts` prompts of `prompt_tokens` tokens together: ms."""
     times = []
     g = torch.Generator().manual_seed(1)
     for _ in range(repeats):
-        kv = model.new_kv()
-        kv.ensure(input_len)
-        tokens = torch.randint(0, 256, (input_len,), generator=g)
+        kvs = [model.new_kv() for _ in range(prompts)]
+        for kv in kvs:
+            kv.ensure(prompt_tokens)
+        tokens = torch.randint(0, 256, (prompts * prompt_tokens,), generator=g)
         t = time.perf_counter()
-        model(tokens, [SlotRows(kv, 0, input_len)], threads)
+        model(tokens, [SlotRows(kv, 0, prompt_tokens) for kv in kvs], threads)
         times.append(time.perf_counter() - t)
-        kv.release()
-    return statistics.median(times) * 1000
+        for kv in kvs:
+            kv.release()
+    return statistics.median(times) * 1000 / prompts
 
 
-def measure(concurrencies: list[int], threads: int, input_len: int, output_len: int, linear_inputs: str,
+def chat_prompt_tokens(folder: str | Path, prompts: list[str]) -> int:
+    """The median token count of `prompts`, each sent as one user message, as admission renders and tokenizes
+    it (tokenize_conversation: the model's chat template around the text)."""
+    tok = load_model_tokenizer(folder)
+    template = load_chat_template(folder)
+    return round(statistics.median(len(tokenize_conversation(template, tok, [("user", p)])[1]) for p in prompts))
+
+
+def synthetic_prompt_tokens(folder: str | Path, input_len: int, samples: int = 8) -> int:
+    """A synthetic --input-len request's prompt as served (the load's own prompts: tether/loadtest/workloads.py)."""
+    spec = SyntheticSpec(input_len, 1, 0.0)
+    prompts = [r.prompt for r in Workload({"synthetic": 1.0}, load_model_tokenizer(folder).encode, spec)
+               .take(samples, "arithmetic-ceiling")]
+    return chat_prompt_tokens(folder, prompts)
+
+
+def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_len: int, linear_inputs: str,
             model_name: str = "smollm2", repeats: int = 3) -> list[Round]:
-    """Each concurrency's round on this machine (the whole model in this process, `threads` threads)."""
+    """Each concurrency's round on this machine (the whole model in this process, `threads` threads), for
+    prompts of `prompt_tokens` tokens as served (`synthetic_prompt_tokens`)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = load_slice(resolve_model(model_name), dtype="auto", inputs=linear_inputs)
-        context = input_len + output_len // 2   # a decode row's mean position over a request
-        pre = prefill_ms(model, input_len, threads)
+        context = prompt_tokens + output_len // 2   # a decode row's mean position over a request
+        prefills: dict[int, float] = {}
         rounds = []
         for c in concurrencies:
+            k = prompts_per_call(c, prompt_tokens)
+            if k not in prefills:
+                prefills[k] = prefill_ms(model, prompt_tokens, threads, k)
             runs = [decode_ms(model, c, threads, context, 6, head=True) for _ in range(repeats)]
-            rounds.append(Round(c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), pre))
+            rounds.append(Round(c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                                prefills[k], prompt_tokens))
         return rounds
     finally:
         torch.set_num_threads(before)
@@ -84,15 +121,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrencies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="threads, the stages' in total (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64,
+                   help="a prompt's text in tokens, sent as one user message (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
                    help="what the linears multiply, as the stages' --linear-inputs (default: %(default)s)")
     args = p.parse_args()
-    for r in measure([int(c) for c in args.concurrency.split(",")], args.threads, args.input_len, args.output_len,
+    prompt = synthetic_prompt_tokens(resolve_model("smollm2"), args.input_len)
+    print(f"a prompt as served: {prompt} tokens ({args.input_len} of text in the chat template)")
+    for r in measure([int(c) for c in args.concurrency.split(",")], args.threads, prompt, args.output_len,
                      args.linear_inputs):
         print(f"{r.concurrency:3d} streams: decode {r.decode_ms:6.2f} ms + head {r.head_ms:5.2f} + "
-              f"{r.concurrency}/{args.output_len} x prefill {r.prefill_ms:6.1f} -> at most {r.tok_s(args.output_len):6.1f} tok/s")
+              f"{r.concurrency}/{args.output_len} x prefill {r.prefill_ms:6.1f} "
+              f"({prompts_per_call(r.concurrency, prompt)} a call) -> at most {r.tok_s(args.output_len):6.1f} tok/s")
 
 
 if __name__ == "__main__":

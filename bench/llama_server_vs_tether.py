@@ -240,9 +240,14 @@ def main() -> None:
     ceilings: dict[int, arithmetic_ceiling.Round] = {}
     if "synthetic" in workloads and not args.no_ceiling:
         print("timing the arithmetic ceiling (the whole model in this process) ...", file=sys.stderr, flush=True)
+        # the synthetic requests' prompts as tether's admission renders them (the chat template's tokens too)
+        prompt = arithmetic_ceiling.chat_prompt_tokens(smollm2.ensure(), [
+            r.prompt for r in Workload(mix["synthetic"], tok.encode, spec).take(8, "ceiling")])
         ceilings = {r.concurrency: r for r in arithmetic_ceiling.measure(
-            concurrencies, threads, args.input_len, args.output_len, args.linear_inputs)}
+            concurrencies, threads, prompt, args.output_len, args.linear_inputs)}
         meta["ceiling"] = {c: dict(decode_ms=r.decode_ms, head_ms=r.head_ms, prefill_ms=r.prefill_ms,
+                                   prompt_tokens=r.prompt_tokens,
+                                   prompts_per_call=arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens),
                                    tok_s=r.tok_s(args.output_len)) for c, r in ceilings.items()}
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
@@ -310,8 +315,9 @@ def main() -> None:
     if ceilings:
         print("arithmetic ceiling: " + "; ".join(
             f"{c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{args.output_len} x prefill "
-            f"{r.prefill_ms:.1f}" for c, r in ceilings.items()) + " (bench/arithmetic_ceiling.py: sampling, hops "
-            "and the coordinator left out)")
+            f"{r.prefill_ms:.1f} ({arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens)} a call)"
+            for c, r in ceilings.items()) + f"; a prompt of {next(iter(ceilings.values())).prompt_tokens} tokens as "
+            "served (bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
     print(f"\nmedians of {args.repeats} paired, alternating runs; tether: {meta.get('tether_kernels')}; "
           f"llama-server: {meta.get('system_info')}")
     if args.out:

@@ -131,3 +131,23 @@ def test_the_arithmetic_ceiling_prefills_one_prompt_per_output_len_tokens_of_a_r
     assert arithmetic_ceiling.Round(1, 6.0, 1.5, 64.0).tok_s(64) == pytest.approx(1 / 0.0085)
     # longer answers spread the prompt thinner
     assert arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0).tok_s(128) > arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0).tok_s(64)
+
+
+def test_the_ceiling_prefills_as_many_whole_prompts_a_call_as_a_micro_batch_holds():
+    from tether import settings
+    # smollm2's synthetic 64 tokens in its chat template are 94: 512 // 94 = 5 prompts a call at 8 streams
+    assert arithmetic_ceiling.prompts_per_call(8, 94) == settings.MAX_BATCH_TOKENS // 94 == 5
+    assert arithmetic_ceiling.prompts_per_call(1, 94) == 1                          # one stream: one prompt at a time
+    assert arithmetic_ceiling.prompts_per_call(3, 94) == 3
+    assert arithmetic_ceiling.prompts_per_call(32, settings.MAX_BATCH_TOKENS + 1) == 1   # a long one: in chunks
+    assert arithmetic_ceiling.prompts_per_call(64, 2) == settings.MAX_BATCH_SLOTS     # slots bound it too
+
+
+def test_the_ceiling_counts_a_prompt_as_admission_renders_it():
+    from tether import reference
+    from tether.model.loader import resolve_model
+    lm = reference.load("tiny")
+    prompts = ["one two", "a longer prompt of several more words than that", "three words here"]
+    served = sorted(len(reference.render_chat(lm, [("user", p)])[1]) for p in prompts)
+    assert served[1] > len(lm.tokenizer.encode(prompts[2]))       # the chat template's tokens count too
+    assert arithmetic_ceiling.chat_prompt_tokens(resolve_model("tiny"), prompts) == served[1]   # the median
