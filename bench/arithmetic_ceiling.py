@@ -18,8 +18,12 @@ Sampling, the hops and the coordinator are left out: the gap between this ceilin
 from __future__ import annotations
 
 import argparse
+import ctypes
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.layer_rules import decode_ms  # noqa: E402
 from tether import settings  # noqa: E402
 from tether.loadtest.workloads import SyntheticSpec, Workload  # noqa: E402
-from tether.model import dtypes  # noqa: E402
+from tether.model import dtypes, native  # noqa: E402
 from tether.model.chat_template import load_chat_template, tokenize_conversation  # noqa: E402
+from tether.model.config import ModelConfig  # noqa: E402
 from tether.model.folder import load_model_tokenizer  # noqa: E402
 from tether.model.llama import SlotRows  # noqa: E402
 from tether.model.loader import load_slice, resolve_model  # noqa: E402
@@ -47,12 +52,53 @@ class Round:
     head_ms: float       # ... and the head
     prefill_ms: float    # one prompt as served, through every layer (its head: one row, left out), batched as served
     prompt_tokens: int = 0   # the prompt's tokens as served (the text's and its chat template's)
+    decode_gflop: float = 0.0    # the round's decode rows and head: 2 a multiply-add (linears and attention)
+    prefill_gflop: float = 0.0   # one prompt's prefill
+
+    def rates(self) -> tuple[float, float]:
+        """GFLOP/s of the decode rows with their head, and of a prefill."""
+        return (self.decode_gflop / (self.decode_ms + self.head_ms) * 1000.0,
+                self.prefill_gflop / self.prefill_ms * 1000.0 if self.prefill_ms else 0.0)
 
     def tok_s(self, output_len: int) -> float:
         """Output tok/s if rounds were only this arithmetic: C tokens a round, C / output_len prefills in it."""
         c = self.concurrency
         ms = self.decode_ms + self.head_ms + c / output_len * self.prefill_ms
         return c / ms * 1000.0
+
+
+def model_gflop(cfg: ModelConfig, rows: int, context: int, head_rows: int = 0, causal: bool = False) -> float:
+    """The multiply-adds (2 FLOPs each) of `rows` rows through every layer (linears, and attention over `context`
+    positions each, or over 1..rows with `causal`: a prompt) and of `head_rows` rows through the head."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    linear = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
+    positions = rows * (rows + 1) // 2 if causal else rows * context
+    attention = 2 * q * positions   # q . k and p . v: a head_dim each, every head, every position
+    return 2 * (cfg.num_hidden_layers * (rows * linear + attention) + head_rows * h * cfg.vocab_size) / 1e9
+
+
+def fma_rate(threads: int, wide: bool, repeats: int = 5) -> float | None:
+    """The fp32 GFLOP/s `threads` threads sustain in FMAs on registers (bench/fma_rate.c, 512 bits wide where
+    the kernels use AVX-512): the median of `repeats` ~0.2 s runs; None where no C compiler builds it."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="fma-rate-") as tmp:
+        lib_path = Path(tmp) / "fma_rate.so"
+        done = subprocess.run([cc, "-O2", "-fopenmp", "-shared", "-fPIC", "-o", str(lib_path),
+                               str(Path(__file__).with_name("fma_rate.c"))], capture_output=True, text=True)
+        if done.returncode != 0:
+            return None
+        lib = ctypes.CDLL(str(lib_path))
+        lib.fma_rate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        lib.fma_rate.restype = ctypes.c_double
+        lib.fma_rate(threads, int(wide), 1_000_000)   # the clocks up, the threads started
+        return statistics.median(lib.fma_rate(threads, int(wide), 4_000_000) for _ in range(repeats))
+
+
+def kernels_wide() -> bool:
+    """Whether the stages' kernels run AVX-512 here (the probe's choice, TETHER_KERNELS_ISA honoured)."""
+    return native.available() is None and bool(native.library().kernels_isa(-1))
 
 
 def prompts_per_call(concurrency: int, prompt_tokens: int) -> int:
@@ -101,7 +147,9 @@ def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_l
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = load_slice(resolve_model(model_name), dtype="auto", inputs=linear_inputs)
+        folder = resolve_model(model_name)
+        cfg = ModelConfig.from_folder(folder)
+        model = load_slice(folder, dtype="auto", inputs=linear_inputs)
         context = prompt_tokens + output_len // 2   # a decode row's mean position over a request
         prefills: dict[int, float] = {}
         rounds = []
@@ -111,10 +159,18 @@ def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_l
                 prefills[k] = prefill_ms(model, prompt_tokens, threads, k)
             runs = [decode_ms(model, c, threads, context, 6, head=True) for _ in range(repeats)]
             rounds.append(Round(c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                                prefills[k], prompt_tokens))
+                                prefills[k], prompt_tokens, model_gflop(cfg, c, context, head_rows=c),
+                                model_gflop(cfg, prompt_tokens, 0, causal=True)))
         return rounds
     finally:
         torch.set_num_threads(before)
+
+
+def rates_text(r: Round, peak: float | None) -> str:
+    """The round's arithmetic rates, and their share of the measured FMA rate where there is one."""
+    decode, prefill = r.rates()
+    share = (lambda x: f" ({x / peak:.0%})") if peak else (lambda x: "")
+    return f"decode + head {decode:.0f} GFLOP/s{share(decode)}, prefill {prefill:.0f}{share(prefill)}"
 
 
 def main() -> None:
@@ -127,13 +183,15 @@ def main() -> None:
     p.add_argument("--linear-inputs", default=settings.LINEAR_INPUTS, choices=dtypes.LINEAR_INPUTS,
                    help="what the linears multiply, as the stages' --linear-inputs (default: %(default)s)")
     args = p.parse_args()
+    peak = fma_rate(args.threads, kernels_wide())
     prompt = synthetic_prompt_tokens(resolve_model("smollm2"), args.input_len)
     print(f"a prompt as served: {prompt} tokens ({args.input_len} of text in the chat template)")
     for r in measure([int(c) for c in args.concurrency.split(",")], args.threads, prompt, args.output_len,
                      args.linear_inputs):
         print(f"{r.concurrency:3d} streams: decode {r.decode_ms:6.2f} ms + head {r.head_ms:5.2f} + "
               f"{r.concurrency}/{args.output_len} x prefill {r.prefill_ms:6.1f} "
-              f"({prompts_per_call(r.concurrency, prompt)} a call) -> at most {r.tok_s(args.output_len):6.1f} tok/s")
+              f"({prompts_per_call(r.concurrency, prompt)} a call) -> at most {r.tok_s(args.output_len):6.1f} tok/s; "
+              + rates_text(r, peak))
 
 
 if __name__ == "__main__":

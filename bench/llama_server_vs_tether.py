@@ -245,9 +245,12 @@ def main() -> None:
             r.prompt for r in Workload(mix["synthetic"], tok.encode, spec).take(8, "ceiling")])
         ceilings = {r.concurrency: r for r in arithmetic_ceiling.measure(
             concurrencies, threads, prompt, args.output_len, args.linear_inputs)}
+        peak = arithmetic_ceiling.fma_rate(threads, arithmetic_ceiling.kernels_wide())
+        meta["fma_rate_gflops"] = peak
         meta["ceiling"] = {c: dict(decode_ms=r.decode_ms, head_ms=r.head_ms, prefill_ms=r.prefill_ms,
                                    prompt_tokens=r.prompt_tokens,
                                    prompts_per_call=arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens),
+                                   decode_gflops=r.rates()[0], prefill_gflops=r.rates()[1],
                                    tok_s=r.tok_s(args.output_len)) for c, r in ceilings.items()}
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
@@ -318,6 +321,11 @@ def main() -> None:
             f"{r.prefill_ms:.1f} ({arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens)} a call)"
             for c, r in ceilings.items()) + f"; a prompt of {next(iter(ceilings.values())).prompt_tokens} tokens as "
             "served (bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
+        peak = meta.get("fma_rate_gflops")
+        print("the arithmetic's rate: " + "; ".join(
+            f"{c} streams: {arithmetic_ceiling.rates_text(r, peak)}" for c, r in ceilings.items())
+            + (f" (of the {peak:.0f} GFLOP/s {threads} threads sustain in FMAs alone: bench/fma_rate.c)" if peak
+               else " (no C compiler for bench/fma_rate.c)"))
     print(f"\nmedians of {args.repeats} paired, alternating runs; tether: {meta.get('tether_kernels')}; "
           f"llama-server: {meta.get('system_info')}")
     if args.out:

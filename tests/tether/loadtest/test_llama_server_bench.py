@@ -151,3 +151,16 @@ def test_the_ceiling_counts_a_prompt_as_admission_renders_it():
     served = sorted(len(reference.render_chat(lm, [("user", p)])[1]) for p in prompts)
     assert served[1] > len(lm.tokenizer.encode(prompts[2]))       # the chat template's tokens count too
     assert arithmetic_ceiling.chat_prompt_tokens(resolve_model("tiny"), prompts) == served[1]   # the median
+
+
+def test_the_ceiling_counts_the_multiply_adds_of_a_round_and_of_a_prompt():
+    from tether.model.config import ModelConfig
+    cfg = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+    # a layer's linears: q, o 4 x 4; k, v 4 x 2; gate, up, down 4 x 8 = 144 multiply-adds a row
+    # one decode row at 3 positions: + 2 x 4 x 3 of attention a layer; the head 4 x 10
+    assert arithmetic_ceiling.model_gflop(cfg, 1, 3, head_rows=1) == pytest.approx(2 * (2 * (144 + 24) + 40) / 1e9)
+    # a 3-token prompt attends over 1 + 2 + 3 positions; its head is not counted
+    assert arithmetic_ceiling.model_gflop(cfg, 3, 0, causal=True) == pytest.approx(2 * 2 * (3 * 144 + 48) / 1e9)
+    r = arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0, 94, decode_gflop=2.5, prefill_gflop=16.0)
+    assert r.rates() == pytest.approx((100.0, 200.0))
