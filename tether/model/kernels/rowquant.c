@@ -13,9 +13,9 @@
  * Columns past N have d = m = 0, so their weights are +0, as rowdot's zero padding.
  *
  * One row (a decode step alone) dequantizes in registers next to the FMAs (in AVX2, Q4_1 in even and odd columns:
- * row_q4_split), and so do up to 32 rows in AVX-512
- * (rowdot512's tiles, the weights rebuilt once a tile of up to 12 rows); more rows, or more than one in AVX2,
- * dequantize two column blocks at a time into a per-thread buffer and run rowdot's tiles over them.
+ * row_q4_split), and so do up to 32 rows in AVX-512 (rowdot512's tiles, the weights rebuilt once a tile of up to 12
+ * rows) and up to 8 rows of Q4_1 in AVX2 (halves_tile); more rows dequantize two column blocks at a time into a
+ * per-thread buffer and run rowdot's tiles over them.
  *
  * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
  */
@@ -219,6 +219,103 @@ row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, i
     store_split(y, col, n, a0, b0, act);
     if (nb > 1)
         store_split(y, col + BLOCK, n, a1, b1, act);
+}
+
+/* AVX2, 2 to 8 rows of Q4_1: the weights rebuilt in registers next to the FMAs, as the one-row kernels do, rather
+ * than into the buffer first, where the rebuild (shuffles, conversions, stores) ran as a phase of its own before
+ * the tiles' FMAs: ~120 us a call of the 576 -> 1536 gate whatever the rows (119 us + 17 us a row, 1 thread, hot),
+ * so 8 rows ran at half the FMA rate a core sustains (bench/fma_rate.c). Here the shuffles overlap the FMAs. A
+ * block's 16 columns in two halves, row_q4_split's even and odd columns: up to 6 rows take both in one pass (2
+ * chains a row), 7 and 8 one half a pass (8 chains; 16 accumulators would not fit in AVX2's registers). The gate at
+ * 2 / 4 / 8 rows 26 / 42 / 56 -> 38 / 57 / 64 GFLOP/s; the whole model's layers at 8 rows, 2 threads, 24.2 -> 21.2
+ * ms. The same weights (row_q4_split's: weights_at's bit for bit) and every output rowdot's chain over k in order.
+ * Q8_0 (the head) stays in the buffer: the same tiles measured slower there (8 rows 6.2 ms against 5.4-6.0). */
+/* a group's scales for half H: the even columns' d and m, or the odd ones' d / 16 and m */
+static inline __attribute__((always_inline)) void
+half_scales(const int H, const uint8_t *rec, __m256 *d, __m256 *m) {
+    __m256 de, dob, me, mo;
+    split_scales(rec, &de, &dob, &me, &mo);
+    *d = H ? dob : de;
+    *m = H ? mo : me;
+}
+
+/* k-row i's half H of a group record: the even (H 0) or odd (H 1) columns' 8 weights, as row_q4_split */
+static inline __attribute__((always_inline)) __m256
+half_weights(const int H, const uint8_t *rec, int i, __m256 d, __m256 m) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 64 + 8 * i)));
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(H ? 0xf0 : 0x0f))), m);
+}
+
+#define HALVES_BOTH 6       /* rows a tile takes both halves of a block for, in one pass (2 chains a row) */
+#define HALVES_MAX_ROWS 8   /* a tile's rows at most: up to here AVX2 rebuilds Q4_1 in the tiles, then the buffer */
+#define HR(j, w, i) if (R > j) a##j = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * ldx + (i)), w, a##j);
+#define HK(w, i) HR(0, w, i) HR(1, w, i) HR(2, w, i) HR(3, w, i) HR(4, w, i) HR(5, w, i) HR(6, w, i) HR(7, w, i)
+#define HO(j) if (R > j) out[j] = a##j;
+/* R <= 8 rows against half H of one block: out[j] row j's 8 sums */
+static inline __attribute__((always_inline)) void
+half_tile(const int R, const int H, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, __m256 *out) {
+    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r = blk + g * rec;
+        __m256 d, m;
+        half_scales(H, r, &d, &m);
+        for (int i = 0; i < GROUP; i++) {
+            __m256 w = half_weights(H, r, i, d, m);
+            HK(w, g * GROUP + i)
+        }
+    }
+    HO(0) HO(1) HO(2) HO(3) HO(4) HO(5) HO(6) HO(7)
+}
+
+#define BR(j, u, v, i)                                                                             \
+    if (R > j) {                                                                                   \
+        __m256 xv = _mm256_broadcast_ss(x + j * ldx + (i));                                        \
+        a##j = _mm256_fmadd_ps(xv, u, a##j);                                                       \
+        b##j = _mm256_fmadd_ps(xv, v, b##j);                                                       \
+    }
+#define BO(j) if (R > j) store_split(y + j * ldy, col, n, a##j, b##j, act);
+/* R <= 6 rows against both halves of one block */
+static inline __attribute__((always_inline)) void
+both_halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y, int64_t ldy,
+                 int64_t col, int64_t n, int act) {
+    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r = blk + g * rec;
+        __m256 d0, m0, d1, m1;
+        half_scales(0, r, &d0, &m0);
+        half_scales(1, r, &d1, &m1);
+        for (int i = 0; i < GROUP; i++) {
+            __m256 u = half_weights(0, r, i, d0, m0), v = half_weights(1, r, i, d1, m1);
+            int64_t at = g * GROUP + i;
+            BR(0, u, v, at) BR(1, u, v, at) BR(2, u, v, at) BR(3, u, v, at) BR(4, u, v, at) BR(5, u, v, at)
+        }
+    }
+    BO(0) BO(1) BO(2) BO(3) BO(4) BO(5)
+}
+
+static inline __attribute__((always_inline)) void
+halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y, int64_t ldy,
+            int64_t col, int64_t n, int act) {
+    if (R <= HALVES_BOTH) {
+        both_halves_tile(R, x, ldx, blk, k, y, ldy, col, n, act);
+        return;
+    }
+    __m256 even[8], odd[8];
+    half_tile(R, 0, x, ldx, blk, k, even);
+    half_tile(R, 1, x, ldx, blk, k, odd);
+    for (int j = 0; j < R; j++)
+        store_split(y + j * ldy, col, n, even[j], odd[j], act);
+}
+
+#define HTILE(R) case R: halves_tile(R, x, ldx, data + b * stride, k, y, ldy, b * BLOCK, n, act); break;
+/* 2 to HALVES_MAX_ROWS rows of Q4_1 against the column blocks [b0, b1), one tile a block */
+static void rows_halves(const float *x, int64_t ldx, const uint8_t *data, int64_t stride, int64_t k, float *y,
+                        int64_t ldy, int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
+    for (int64_t b = b0; b < b1; b++)
+        switch (m) { HTILE(8) HTILE(7) HTILE(6) HTILE(5) HTILE(4) HTILE(3) default: HTILE(2) }
 }
 
 /* AVX-512: k-rows of a group record rebuilt as 16 fp32 weights in one register, by the operations weights_at
@@ -445,6 +542,10 @@ quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, 
             else
                 rows512(F, x + r * ldx, ldx, data, stride, k, y + r * ldy, ldy, n, rows, b0, b1, act);
         }
+        return;
+    }
+    if (m <= HALVES_MAX_ROWS && F == WEIGHT_Q4_1) {
+        rows_halves(x, ldx, data, stride, k, y, ldy, n, m, b0, b1, act);
         return;
     }
     float *buf = block_buffer(k);
