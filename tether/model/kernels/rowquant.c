@@ -92,6 +92,23 @@ scales(const int64_t F, const uint8_t *rec, __m256 *d0, __m256 *d1, __m256 *m0, 
     }
 }
 
+/* The `nb` record streams of a kernel reading blocks blk, blk + stride, ... side by side, at group g of
+ * `groups` (records of `bytes`): each asks for its record PREFETCH_RECORDS ahead (rows.h), and past its block's end
+ * for the first records of the block it reads next, the same stream of the next `nb` blocks (a thread's chunk walks
+ * its blocks in order; at a chunk's end the guess may miss). The hardware prefetcher follows each stream, not far
+ * enough ahead, and starts every new block cold. A cold step (17 layers after 8 ms idle, 2 threads, Xeon)
+ * 4.18 -> 3.84 ms with the records ahead and 3.79 -> 3.51 with the next blocks too in AVX2, 3.83 -> 3.72 -> 3.40
+ * in AVX-512; the cold head (30 MB of Q8_0) 3.80 -> 2.60 (AVX2) and 2.40 -> 2.15 (AVX-512, next blocks); hot ones
+ * within 0-5% (docs/PERFORMANCE.md). The tiles of more rows and the buffer's rebuild stalled on the same misses: the
+ * 210 linears of a step one after the other on 1 thread, 8 rows, 33.5 -> 29.8 ms in AVX2, 27.8 -> 22.1 in AVX-512
+ * (32 rows 1.03x / 1.11x); the whole decode step with the head at 8 rows, 2 threads, 1.07x / 1.18x. */
+static inline __attribute__((always_inline)) void
+prefetch_streams(const uint8_t *blk, int nb, int64_t stride, int64_t g, int64_t groups, int64_t bytes) {
+    int64_t ahead = g + PREFETCH_RECORDS, at = ahead * bytes + (ahead >= groups ? (nb - 1) * stride : 0);
+    for (int j = 0; j < nb; j++)
+        prefetch_lines(blk + j * stride + at, bytes);
+}
+
 /* a column block's K x 16 fp32 weights, in rowdot's layout */
 static inline __attribute__((always_inline)) void
 dequant_block(const int64_t F, const uint8_t *blk, int64_t k, float *out) {
@@ -99,6 +116,7 @@ dequant_block(const int64_t F, const uint8_t *blk, int64_t k, float *out) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m256 d0, d1, m0, m1, lo, hi;
+        prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
         scales(F, r, &d0, &d1, &m0, &m1);
         for (int i = 0; i < GROUP; i++) {
             weights_at(F, r, i, d0, d1, m0, m1, &lo, &hi);
@@ -106,21 +124,6 @@ dequant_block(const int64_t F, const uint8_t *blk, int64_t k, float *out) {
             _mm256_store_ps(out + (g * GROUP + i) * BLOCK + 8, hi);
         }
     }
-}
-
-/* The `nb` record streams of a one-row kernel reading blocks blk, blk + stride, ... side by side, at group g of
- * `groups` (records of `bytes`): each asks for its record PREFETCH_RECORDS ahead (rows.h), and past its block's end
- * for the first records of the block it reads next, the same stream of the next `nb` blocks (a thread's chunk walks
- * its blocks in order; at a chunk's end the guess may miss). The hardware prefetcher follows each stream, not far
- * enough ahead, and starts every new block cold. A cold step (17 layers after 8 ms idle, 2 threads, Xeon)
- * 4.18 -> 3.84 ms with the records ahead and 3.79 -> 3.51 with the next blocks too in AVX2, 3.83 -> 3.72 -> 3.40
- * in AVX-512; the cold head (30 MB of Q8_0) 3.80 -> 2.60 (AVX2) and 2.40 -> 2.15 (AVX-512, next blocks); hot ones
- * within 0-5% (docs/PERFORMANCE.md). */
-static inline __attribute__((always_inline)) void
-prefetch_streams(const uint8_t *blk, int nb, int64_t stride, int64_t g, int64_t groups, int64_t bytes) {
-    int64_t ahead = g + PREFETCH_RECORDS, at = ahead * bytes + (ahead >= groups ? (nb - 1) * stride : 0);
-    for (int j = 0; j < nb; j++)
-        prefetch_lines(blk + j * stride + at, bytes);
 }
 
 /* one row against `nb` (1 or 2) column blocks side by side: 2 chains a block, the dequantizing between them */
@@ -259,6 +262,8 @@ half_tile(const int R, const int H, const float *x, int64_t ldx, const uint8_t *
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m256 d, m;
+        if (H == 0)   /* the second half reads the block again, from the cache */
+            prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
         half_scales(H, r, &d, &m);
         for (int i = 0; i < GROUP; i++) {
             __m256 w = half_weights(H, r, i, d, m);
@@ -285,6 +290,7 @@ both_halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, i
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m256 d0, m0, d1, m1;
+        prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
         half_scales(0, r, &d0, &m0);
         half_scales(1, r, &d1, &m1);
         for (int i = 0; i < GROUP; i++) {
@@ -419,6 +425,7 @@ qtile1(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t 
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m512 d, m, w0, w1;
+        prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
         scales512(F, r, &d, &m);
         for (int i = 0; i < GROUP; i += 2) {
             int64_t at = g * GROUP + i;
@@ -447,6 +454,7 @@ qtile2(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t 
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec, *s = r + stride;
         __m512 d, m, e, f, u0, u1, v0, v1;
+        prefetch_streams(blk, 2, stride, g, k / GROUP, rec);
         scales512(F, r, &d, &m);
         scales512(F, s, &e, &f);
         for (int i = 0; i < GROUP; i += 2) {

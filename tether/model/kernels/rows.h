@@ -46,9 +46,10 @@ typedef struct {
     int64_t format;
 } packed_weight;
 
-/* The one-row kernels of the file's groups (rowquant.c, rowq8.c) read each group record once, and a served step
- * finds them cold (the other stage's turn evicted them): each record stream asks for the record PREFETCH_RECORDS
- * ahead of the one it reads (three or four measured the same as two; docs/PERFORMANCE.md "Served steps are cold").
+/* The kernels of the file's groups (rowquant.c, rowq8.c) read each group record once a call (a tile: once a pass),
+ * and a step finds them cold (30 layers' weights outgrow the caches; served, the other stage's turn evicts them too):
+ * each record stream asks for the record PREFETCH_RECORDS ahead of the one it reads (three, four or eight measured
+ * the same as two; docs/PERFORMANCE.md "Served steps are cold").
  * A prefetch never faults, so one past the weight's end is harmless. */
 #define PREFETCH_RECORDS 2
 static inline __attribute__((always_inline)) void prefetch_lines(const void *p, int64_t bytes) {
