@@ -33,9 +33,10 @@ def _arena(g: torch.Generator, lengths: list[int], kv_heads: int = 2, d: int = 1
     return keys, values, long_tensor(tables), long_tensor(first), long_tensor(positions), owners
 
 
-def test_it_computes_causal_attention():
+@pytest.mark.parametrize("d", [16, 64, 128])   # any d % 8; 64 at a time in registers; two passes of 64
+def test_it_computes_causal_attention(d):
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, d = 6, 2, 16
+    heads, kv_heads = 6, 2
     keys, values, tables, first, positions, owners = _arena(g, [37, 5], kv_heads, d)
     q = torch.randn(42, heads, d, generator=g) * 3
     got = rowattn.attend_rows(q, keys, values, positions, first, tables, 37)
@@ -51,10 +52,11 @@ def test_it_computes_causal_attention():
         row += n
 
 
-@pytest.mark.parametrize("d", [16, 64, 24])
+@pytest.mark.parametrize("d", [16, 64, 24, 128])
 def test_the_avx512_sums_give_the_avx2_bits(d):
-    """Where the CPU has AVX-512 the values' sums run 16 elements an instruction (d % 16 == 0; 24 stays AVX2):
-    the same bits as AVX2's 8 (forced here), keys' scores four at a time included."""
+    """Where the CPU has AVX-512 the values' sums run 16 elements an instruction, 64 elements a pass (d % 64 == 0:
+    128 in two; 16 and 24 stay AVX2): the same bits as AVX2's 8 (forced here), keys' scores eight and four at a
+    time included."""
     lib = native.library()
     if not lib.kernels_isa(1):
         pytest.skip("no AVX-512 (F, BW, DQ, VL) here")
