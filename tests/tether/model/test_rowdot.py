@@ -154,8 +154,9 @@ def test_kept_to_avx2_by_the_environment_and_a_wrong_value_refused(monkeypatch):
 
 @pytest.mark.parametrize("inner, outer", [(576, 576), (1536, 576), (100, 37), (33, 17)])
 def test_the_avx512_tiles_give_the_avx2_bits(inner, outer):
-    """Where the CPU has AVX-512, rows past one run on its tiles (12 rows a block, or 6 on two blocks): every
-    window of rows gets the AVX2 tiles' bits (forced here), silu fused or not."""
+    """Where the CPU has AVX-512, rows past one run on its tiles (up to 12 rows on two blocks at once, in tiles of
+    even sizes; an odd block's rows 12 at a time): every window of rows gets the AVX2 tiles' bits (forced here),
+    silu fused or not."""
     lib = native.library()
     if not lib.kernels_isa(1):
         pytest.skip("no AVX-512 (F, BW, DQ, VL) here: the AVX2 tiles only")

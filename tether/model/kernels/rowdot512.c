@@ -38,7 +38,9 @@ tile1(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, floa
     O1(0) O1(1) O1(2) O1(3) O1(4) O1(5) O1(6) O1(7) O1(8) O1(9) O1(10) O1(11)
 }
 
-/* R <= 6 rows against two blocks side by side: twice the chains for few rows */
+/* R <= 12 rows against two blocks side by side: 24 chains, each row's x broadcast once into a register for both
+ * blocks (tile1 loads it a second time as each FMA's broadcast operand: 13 loads a k step for 12 FMAs, which kept
+ * a 64-row prefill at half the FMA rate a core sustains) */
 #define R2(j)                                                                                      \
     if (R > j) {                                                                                   \
         __m512 xv = _mm512_set1_ps(x[j * ldx + i]);                                                \
@@ -49,14 +51,16 @@ tile1(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, floa
 static inline AVX512 __attribute__((always_inline)) void
 tile2(const int R, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int64_t col,
       int64_t n, int act) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+           a9 = a0, a10 = a0, a11 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0, b10 = a0,
+           b11 = a0;
     const float *p1 = wp + k * BLOCK;
     for (int64_t i = 0; i < k; i++) {
         __m512 w0 = _mm512_load_ps(wp + i * BLOCK), w1 = _mm512_load_ps(p1 + i * BLOCK);
-        R2(0) R2(1) R2(2) R2(3) R2(4) R2(5)
+        R2(0) R2(1) R2(2) R2(3) R2(4) R2(5) R2(6) R2(7) R2(8) R2(9) R2(10) R2(11)
     }
-    O2(0) O2(1) O2(2) O2(3) O2(4) O2(5)
+    O2(0) O2(1) O2(2) O2(3) O2(4) O2(5) O2(6) O2(7) O2(8) O2(9) O2(10) O2(11)
 }
 
 /* a tile of `rows` rows, R a constant in each case (so that the unused rows compile away) */
@@ -72,18 +76,23 @@ AVX512 static void one(int rows, const float *x, int64_t ldx, const float *wp, i
 AVX512 static void two(int rows, const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy,
                        int64_t col, int64_t n, int act) {
     switch (rows) {
+    TILE(tile2, 12) TILE(tile2, 11) TILE(tile2, 10) TILE(tile2, 9) TILE(tile2, 8) TILE(tile2, 7)
     TILE(tile2, 6) TILE(tile2, 5) TILE(tile2, 4) TILE(tile2, 3) TILE(tile2, 2) default: tile2(1, x, ldx, wp, k, y, ldy, col, n, act);
     }
 }
 
 /* rows [0, m) (m <= 64: rowdot_span's chunk) against `nb` blocks whose weights start at wf and whose first
- * column is col0: up to 6 rows on two blocks at once (12 chains), from 7 rows on one block at a time (up to 12) */
+ * column is col0: two blocks at once in as few tiles of up to 12 rows as they need, of even sizes (24 chains at 12
+ * rows; 12 at 6), an odd block's rows one block at a time */
 AVX512 void rowdot512_span(const float *x, int64_t ldx, const float *wf, int64_t k, float *y, int64_t ldy, int64_t n,
                            int64_t m, int64_t col0, int64_t nb, int act) {
-    int64_t j = 0;
-    if (m <= 6)
-        for (; j + 2 <= nb; j += 2)
-            two((int)m, x, ldx, wf + j * k * BLOCK, k, y, ldy, col0 + j * BLOCK, n, act);
+    int64_t j = 0, tiles = (m + 11) / 12;
+    for (; j + 2 <= nb; j += 2)
+        for (int64_t t = 0, r = 0; t < tiles; t++) {
+            int rows = (int)((m - r + tiles - t - 1) / (tiles - t));
+            two(rows, x + r * ldx, ldx, wf + j * k * BLOCK, k, y + r * ldy, ldy, col0 + j * BLOCK, n, act);
+            r += rows;
+        }
     for (; j < nb; j++)
         for (int64_t r = 0; r < m; r += 12)
             one(m - r < 12 ? (int)(m - r) : 12, x + r * ldx, ldx, wf + j * k * BLOCK, k, y + r * ldy, ldy,
