@@ -1,44 +1,31 @@
 /* The fp32 multiply-add rate this CPU sustains, measured: each thread runs 12 independent FMA chains on
  * registers, each from its own start (the compiler would merge equal chains into one), more chains than latency x
- * pipes on any x86 core (Zen 2's 5 x 2, Intel's 4 x 2), no memory. What
- * bench/arithmetic_ceiling.py sets the model's arithmetic against, so that a ceiling under a target shows whether
- * the kernels or the cores fall short. Built by it with cc -O2 -fopenmp; never part of the served kernels. */
+ * pipes on any x86 core (Zen 2's 5 x 2, Intel's 4 x 2), no memory. What bench/arithmetic_ceiling.py sets the model's
+ * arithmetic against, so that a ceiling under a target shows whether the kernels or the cores fall short. Built
+ * by it with cc -O2 -fopenmp; never part of the served kernels. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
-#define CHAIN(T, FMA)                                                                              \
-    a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c);                \
-    a4 = FMA(a4, m, c); a5 = FMA(a5, m, c); a6 = FMA(a6, m, c); a7 = FMA(a7, m, c);                \
-    a8 = FMA(a8, m, c); a9 = FMA(a9, m, c); a10 = FMA(a10, m, c); a11 = FMA(a11, m, c);
-
-__attribute__((target("avx2,fma"))) static float run256(int64_t iters) {
-    __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-    __m256 a0 = _mm256_set1_ps(1.0f), a1 = _mm256_set1_ps(1.1f), a2 = _mm256_set1_ps(1.2f), a3 = _mm256_set1_ps(1.3f),
-           a4 = _mm256_set1_ps(1.4f), a5 = _mm256_set1_ps(1.5f), a6 = _mm256_set1_ps(1.6f), a7 = _mm256_set1_ps(1.7f),
-           a8 = _mm256_set1_ps(1.8f), a9 = _mm256_set1_ps(1.9f), a10 = _mm256_set1_ps(2.0f), a11 = _mm256_set1_ps(2.1f);
-    for (int64_t i = 0; i < iters; i++) {
-        CHAIN(__m256, _mm256_fmadd_ps)
+/* run<W>(iters): 12 chains of `iters` FMAs each on W-bit vectors; every chain feeds the value returned, so none is
+ * left out */
+#define RUN(W, TARGET, T, SET1, FMA, ADD, FIRST)                                                   \
+    __attribute__((target(TARGET))) static float run##W(int64_t iters) {                           \
+        T m = SET1(0.999f), c = SET1(1e-3f);                                                       \
+        T a0 = SET1(1.0f), a1 = SET1(1.1f), a2 = SET1(1.2f), a3 = SET1(1.3f), a4 = SET1(1.4f),     \
+          a5 = SET1(1.5f), a6 = SET1(1.6f), a7 = SET1(1.7f), a8 = SET1(1.8f), a9 = SET1(1.9f),     \
+          a10 = SET1(2.0f), a11 = SET1(2.1f);                                                      \
+        for (int64_t i = 0; i < iters; i++) {                                                      \
+            a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c);        \
+            a4 = FMA(a4, m, c); a5 = FMA(a5, m, c); a6 = FMA(a6, m, c); a7 = FMA(a7, m, c);        \
+            a8 = FMA(a8, m, c); a9 = FMA(a9, m, c); a10 = FMA(a10, m, c); a11 = FMA(a11, m, c);    \
+        }                                                                                          \
+        T s = ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),               \
+                  ADD(ADD(a8, a9), ADD(a10, a11)));                                                \
+        return FIRST(s);                                                                           \
     }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-    return _mm256_cvtss_f32(s);
-}
-
-__attribute__((target("avx512f"))) static float run512(int64_t iters) {
-    __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(1.1f), a2 = _mm512_set1_ps(1.2f), a3 = _mm512_set1_ps(1.3f),
-           a4 = _mm512_set1_ps(1.4f), a5 = _mm512_set1_ps(1.5f), a6 = _mm512_set1_ps(1.6f), a7 = _mm512_set1_ps(1.7f),
-           a8 = _mm512_set1_ps(1.8f), a9 = _mm512_set1_ps(1.9f), a10 = _mm512_set1_ps(2.0f), a11 = _mm512_set1_ps(2.1f);
-    for (int64_t i = 0; i < iters; i++) {
-        CHAIN(__m512, _mm512_fmadd_ps)
-    }
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
-    return _mm512_reduce_add_ps(s);
-}
+RUN(256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_cvtss_f32)
+RUN(512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_reduce_add_ps)
 
 volatile float fma_rate_sink;
 
