@@ -14,7 +14,7 @@
  *
  * One row (a decode step alone) dequantizes in registers next to the FMAs (in AVX2, Q4_1 in even and odd columns:
  * row_q4_split), and so do up to 32 rows in AVX-512 (rowdot512's tiles, the weights rebuilt once a tile of up to 12
- * rows) and up to 8 rows of Q4_1 in AVX2 (halves_tile); more rows dequantize two column blocks at a time into a
+ * rows) and up to 8 rows in AVX2 (halves_tile); more rows dequantize two column blocks at a time into a
  * per-thread buffer and run rowdot's tiles over them.
  *
  * Built with -mavx2 -mfma -mf16c -ffp-contract=off, like rowdot.c.
@@ -224,49 +224,71 @@ row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, i
         store_split(y, col + BLOCK, n, a1, b1, act);
 }
 
-/* AVX2, 2 to 8 rows of Q4_1: the weights rebuilt in registers next to the FMAs, as the one-row kernels do, rather
- * than into the buffer first, where the rebuild (shuffles, conversions, stores) ran as a phase of its own before
- * the tiles' FMAs: ~120 us a call of the 576 -> 1536 gate whatever the rows (119 us + 17 us a row, 1 thread, hot),
- * so 8 rows ran at half the FMA rate a core sustains (bench/fma_rate.c). Here the shuffles overlap the FMAs. A
- * block's 16 columns in two halves, row_q4_split's even and odd columns: up to 6 rows take both in one pass (2
- * chains a row), 7 and 8 one half a pass (8 chains; 16 accumulators would not fit in AVX2's registers). The gate at
- * 2 / 4 / 8 rows 26 / 42 / 56 -> 38 / 57 / 64 GFLOP/s; the whole model's layers at 8 rows, 2 threads, 24.2 -> 21.2
- * ms. The same weights (row_q4_split's: weights_at's bit for bit) and every output rowdot's chain over k in order.
- * Q8_0 (the head) stays in the buffer: the same tiles measured slower there (8 rows 6.2 ms against 5.4-6.0). */
-/* a group's scales for half H: the even columns' d and m, or the odd ones' d / 16 and m */
+/* AVX2, 2 to 8 rows: the weights rebuilt in registers next to the FMAs, as the one-row kernels do, rather than into
+ * the buffer first, where the rebuild (shuffles, conversions, stores) ran as a phase of its own before the tiles'
+ * FMAs: ~120 us a call of the 576 -> 1536 gate whatever the rows (119 us + 17 us a row, 1 thread, hot), so 8 rows
+ * ran at half the FMA rate a core sustains (bench/fma_rate.c). Here the shuffles overlap the FMAs. A block's 16
+ * columns in two halves (Q4_1's even and odd columns, row_q4_split's masks; Q8_0's first and second eight): up to
+ * 6 rows take both in one pass (2 chains a row), 7 and 8 one half a pass (8 chains; 16 accumulators would not fit
+ * in AVX2's registers). The gate at 2 / 4 / 8 rows 26 / 42 / 56 -> 38 / 57 / 64 GFLOP/s; the whole model's layers
+ * at 8 rows, 2 threads, 24.2 -> 21.2 ms; the head (Q8_0, with the prefetch) at 2 / 4 / 8 rows 1.34x / 1.25x /
+ * 1.14x. The same weights (weights_at's; row_q4_split's, equal bit for bit) and every output rowdot's chain over k
+ * in order. */
+/* a group's scales for half H: Q4_1's even columns' d and m, or the odd ones' d / 16 and m; Q8_0's d of columns
+ * 8H..8H+7 */
 static inline __attribute__((always_inline)) void
-half_scales(const int H, const uint8_t *rec, __m256 *d, __m256 *m) {
-    __m256 de, dob, me, mo;
-    split_scales(rec, &de, &dob, &me, &mo);
-    *d = H ? dob : de;
-    *m = H ? mo : me;
+half_scales(const int64_t F, const int H, const uint8_t *rec, __m256 *d, __m256 *m) {
+    if (F == WEIGHT_Q4_1) {
+        __m256 de, dob, me, mo;
+        split_scales(rec, &de, &dob, &me, &mo);
+        *d = H ? dob : de;
+        *m = H ? mo : me;
+    } else {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * H)));
+        *m = _mm256_setzero_ps();
+    }
 }
 
-/* k-row i's half H of a group record: the even (H 0) or odd (H 1) columns' 8 weights, as row_q4_split */
+/* k-row i's half H of a group record: Q4_1's even (H 0) or odd (H 1) columns' 8 weights, as row_q4_split; Q8_0's
+ * first or second eight, as weights_at */
 static inline __attribute__((always_inline)) __m256
-half_weights(const int H, const uint8_t *rec, int i, __m256 d, __m256 m) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 64 + 8 * i)));
-    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(H ? 0xf0 : 0x0f))), m);
+half_weights(const int64_t F, const int H, const uint8_t *rec, int i, __m256 d, __m256 m) {
+    if (F == WEIGHT_Q4_1) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 64 + 8 * i)));
+        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(H ? 0xf0 : 0x0f))), m);
+    }
+    __m128i v = _mm_loadl_epi64((const __m128i *)(rec + 32 + 16 * i + 8 * H));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+}
+
+/* a tile's two halves back in column order: Q4_1's even and odd columns interleaved, Q8_0's in turn */
+static inline __attribute__((always_inline)) void
+store_halves(const int64_t F, float *y, int64_t col, int64_t n, __m256 h0, __m256 h1, int act) {
+    if (F == WEIGHT_Q4_1)
+        store_split(y, col, n, h0, h1, act);
+    else
+        store_cols(y, col, n, h0, h1, act);
 }
 
 #define HALVES_BOTH 6       /* rows a tile takes both halves of a block for, in one pass (2 chains a row) */
-#define HALVES_MAX_ROWS 8   /* a tile's rows at most: up to here AVX2 rebuilds Q4_1 in the tiles, then the buffer */
+#define HALVES_MAX_ROWS 8   /* a tile's rows at most: up to here AVX2 rebuilds in the tiles, then the buffer */
 #define HR(j, w, i) if (R > j) a##j = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * ldx + (i)), w, a##j);
 #define HK(w, i) HR(0, w, i) HR(1, w, i) HR(2, w, i) HR(3, w, i) HR(4, w, i) HR(5, w, i) HR(6, w, i) HR(7, w, i)
 #define HO(j) if (R > j) out[j] = a##j;
 /* R <= 8 rows against half H of one block: out[j] row j's 8 sums */
 static inline __attribute__((always_inline)) void
-half_tile(const int R, const int H, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, __m256 *out) {
-    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+half_tile(const int64_t F, const int R, const int H, const float *x, int64_t ldx, const uint8_t *blk, int64_t k,
+          __m256 *out) {
+    const int64_t rec = record_bytes(F);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m256 d, m;
         if (H == 0)   /* the second half reads the block again, from the cache */
             prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
-        half_scales(H, r, &d, &m);
+        half_scales(F, H, r, &d, &m);
         for (int i = 0; i < GROUP; i++) {
-            __m256 w = half_weights(H, r, i, d, m);
+            __m256 w = half_weights(F, H, r, i, d, m);
             HK(w, g * GROUP + i)
         }
     }
@@ -279,22 +301,22 @@ half_tile(const int R, const int H, const float *x, int64_t ldx, const uint8_t *
         a##j = _mm256_fmadd_ps(xv, u, a##j);                                                       \
         b##j = _mm256_fmadd_ps(xv, v, b##j);                                                       \
     }
-#define BO(j) if (R > j) store_split(y + j * ldy, col, n, a##j, b##j, act);
+#define BO(j) if (R > j) store_halves(F, y + j * ldy, col, n, a##j, b##j, act);
 /* R <= 6 rows against both halves of one block */
 static inline __attribute__((always_inline)) void
-both_halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y, int64_t ldy,
-                 int64_t col, int64_t n, int act) {
-    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+both_halves_tile(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y,
+                 int64_t ldy, int64_t col, int64_t n, int act) {
+    const int64_t rec = record_bytes(F);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * rec;
         __m256 d0, m0, d1, m1;
         prefetch_streams(blk, 1, 0, g, k / GROUP, rec);
-        half_scales(0, r, &d0, &m0);
-        half_scales(1, r, &d1, &m1);
+        half_scales(F, 0, r, &d0, &m0);
+        half_scales(F, 1, r, &d1, &m1);
         for (int i = 0; i < GROUP; i++) {
-            __m256 u = half_weights(0, r, i, d0, m0), v = half_weights(1, r, i, d1, m1);
+            __m256 u = half_weights(F, 0, r, i, d0, m0), v = half_weights(F, 1, r, i, d1, m1);
             int64_t at = g * GROUP + i;
             BR(0, u, v, at) BR(1, u, v, at) BR(2, u, v, at) BR(3, u, v, at) BR(4, u, v, at) BR(5, u, v, at)
         }
@@ -303,23 +325,24 @@ both_halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, i
 }
 
 static inline __attribute__((always_inline)) void
-halves_tile(const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y, int64_t ldy,
-            int64_t col, int64_t n, int act) {
+halves_tile(const int64_t F, const int R, const float *x, int64_t ldx, const uint8_t *blk, int64_t k, float *y,
+            int64_t ldy, int64_t col, int64_t n, int act) {
     if (R <= HALVES_BOTH) {
-        both_halves_tile(R, x, ldx, blk, k, y, ldy, col, n, act);
+        both_halves_tile(F, R, x, ldx, blk, k, y, ldy, col, n, act);
         return;
     }
-    __m256 even[8], odd[8];
-    half_tile(R, 0, x, ldx, blk, k, even);
-    half_tile(R, 1, x, ldx, blk, k, odd);
+    __m256 h0[8], h1[8];
+    half_tile(F, R, 0, x, ldx, blk, k, h0);
+    half_tile(F, R, 1, x, ldx, blk, k, h1);
     for (int j = 0; j < R; j++)
-        store_split(y + j * ldy, col, n, even[j], odd[j], act);
+        store_halves(F, y + j * ldy, col, n, h0[j], h1[j], act);
 }
 
-#define HTILE(R) case R: halves_tile(R, x, ldx, data + b * stride, k, y, ldy, b * BLOCK, n, act); break;
-/* 2 to HALVES_MAX_ROWS rows of Q4_1 against the column blocks [b0, b1), one tile a block */
-static void rows_halves(const float *x, int64_t ldx, const uint8_t *data, int64_t stride, int64_t k, float *y,
-                        int64_t ldy, int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
+#define HTILE(R) case R: halves_tile(F, R, x, ldx, data + b * stride, k, y, ldy, b * BLOCK, n, act); break;
+/* 2 to HALVES_MAX_ROWS rows against the column blocks [b0, b1), one tile a block */
+static inline __attribute__((always_inline)) void
+rows_halves(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, int64_t stride, int64_t k, float *y,
+            int64_t ldy, int64_t n, int64_t m, int64_t b0, int64_t b1, int act) {
     for (int64_t b = b0; b < b1; b++)
         switch (m) { HTILE(8) HTILE(7) HTILE(6) HTILE(5) HTILE(4) HTILE(3) default: HTILE(2) }
 }
@@ -552,8 +575,8 @@ quant_blocks(const int64_t F, const float *x, int64_t ldx, const uint8_t *data, 
         }
         return;
     }
-    if (m <= HALVES_MAX_ROWS && F == WEIGHT_Q4_1) {
-        rows_halves(x, ldx, data, stride, k, y, ldy, n, m, b0, b1, act);
+    if (m <= HALVES_MAX_ROWS) {
+        rows_halves(F, x, ldx, data, stride, k, y, ldy, n, m, b0, b1, act);
         return;
     }
     float *buf = block_buffer(k);
