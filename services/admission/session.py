@@ -13,6 +13,13 @@ import grpc
 from tether.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 _SESSION_BATCH_BYTES = 256 * 1024   # submits per SessionMessage: one prompt alone is far under the 1 MiB limit
+# How a Session stream ends when its transport fails (the coordinator died, its connection reset): gRPC core says
+# UNAVAILABLE, or INTERNAL ("Internal error from Core") or UNKNOWN depending on when the reset lands. The coordinator
+# never ends the stream with either itself (a request's failure comes as its own event), so each request on the
+# stream was dropped, not failed: UNAVAILABLE, which admission continues elsewhere and a caller may retry, rather
+# than "admission hit an internal error" (seen killing a coordinator under a storm of requests). An interceptor's
+# refusal (PERMISSION_DENIED, UNAUTHENTICATED) keeps its code.
+_TRANSPORT_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +77,8 @@ class _SessionStream:
                         q.put_nowait(event)
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details()
+            if code in _TRANSPORT_CODES:
+                code, details = grpc.StatusCode.UNAVAILABLE, f"the session stream broke ({code.name}: {details})"
         self._break(code, details)
 
     def _break(self, code: grpc.StatusCode, details: str) -> None:
