@@ -65,6 +65,14 @@ class AsyncStream(StreamCore):
                         yield delta
                 except grpc.aio.AioRpcError as e:
                     raise from_rpc_error(e) from None
+                except asyncio.CancelledError:
+                    # cancel() while the call was still starting: grpc.aio raises CancelledError from inside
+                    # the call rather than a CANCELLED status. Unless this task is itself being cancelled, that
+                    # is the stream's cancel: a TetherError like any other, not a task that looks cancelled.
+                    task = asyncio.current_task()
+                    if not self._cancelled.is_set() or (task is not None and task.cancelling()):
+                        raise
+                    raise TetherError("the stream was cancelled (cancel())", grpc.StatusCode.CANCELLED) from None
                 finally:
                     self._call.cancel()  # a no-op once the call completed; ends it before any next attempt
             except TetherError as error:

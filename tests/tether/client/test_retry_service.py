@@ -17,7 +17,7 @@ import pytest
 from services.admission.status import retry_status_details
 from tether.cli import chat, generate
 from tether.client import (AsyncClient, Client, InvalidArgument, ReceiptMismatch, ResourceExhausted, Retrier,
-                           RetryBudget, RetryPolicy, Unavailable)
+                           RetryBudget, RetryPolicy, TetherError, Unavailable)
 from tether.client.errors import STATUS_DETAILS_KEY
 from tether.protocol.hashing import prompt_digest
 from tether.v1 import admission_pb2, admission_pb2_grpc, common_pb2
@@ -110,6 +110,8 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServicer):
         try:
             if outcome[0] == "refuse":
                 await self._refuse(context, *outcome[1:])
+            if outcome[0] == "hold":             # nothing sent yet, not even the headers: a call still starting
+                await asyncio.sleep(outcome[1])
             n, fail = (outcome[1], outcome[2]) if outcome[0] == "tokens_then" else (3, None)
             start = len(request.resume_tokens)    # a resumed call goes on after them, as admission does
             if fail is not None:
@@ -498,3 +500,27 @@ def test_async_cancel_cuts_a_streams_retry_wait_short(admission):
     error = asyncio.run(run())
     assert not isinstance(error, asyncio.TimeoutError), "cancel() did not end the retry wait"
     assert len(server.servicer.calls) == 1
+
+
+def test_async_cancel_of_a_stream_still_starting_raises_cancelled_not_a_cancelled_task(admission):
+    """cancel() before the server sent anything: grpc.aio raises CancelledError from inside the call; the consumer
+    gets a TetherError CANCELLED like any cancel, and its task does not end up looking cancelled."""
+    server = admission(("hold", 30.0))
+
+    async def run():
+        async with AsyncClient(server.target, retry=RetryPolicy(max_wait_s=120)) as client:
+            stream = client.stream("hello")
+
+            async def consume():
+                return [d async for d in stream]
+            task = asyncio.create_task(consume())
+            while not server.servicer.calls:
+                await asyncio.sleep(0.01)   # the call reached the server, which holds it without a byte
+            stream.cancel()
+            try:
+                await asyncio.wait_for(task, 20)
+            except TetherError as e:
+                return e, task.cancelled()
+            raise AssertionError("the stream ended without an error")
+    error, cancelled = asyncio.run(run())
+    assert error.code == C.CANCELLED and not cancelled
