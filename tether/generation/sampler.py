@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -251,9 +251,12 @@ def sample_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams], p
     pool = _pool(runs - 1)
     helpers = [pool.submit(_draw_pinned, logits, params, positions, drawn[cut[t]:cut[t + 1]], tokens)
                for t in range(1, runs)]
-    _draw(logits, params, positions, drawn[:cut[1]], tokens)
+    try:
+        _draw(logits, params, positions, drawn[:cut[1]], tokens)
+    finally:
+        wait(helpers)   # none left writing into `tokens` or reading `logits` once this returns or raises
     for h in helpers:
-        h.result()
+        h.result()      # a helper's exception, raised here
     return tokens
 
 

@@ -481,24 +481,31 @@ def test_cancel_cuts_a_streams_retry_wait_short(admission):
     assert len(server.servicer.calls) == 1     # no second attempt after the cancel
 
 
+async def _cancel_once(target: str, started) -> tuple[BaseException, bool]:
+    """An AsyncClient stream cancelled once `started()` holds: what its consumer raised, and whether the consuming
+    task ended cancelled."""
+    async with AsyncClient(target, retry=RetryPolicy(max_wait_s=120)) as client:
+        stream = client.stream("hello")
+
+        async def consume():
+            return [d async for d in stream]
+        task = asyncio.create_task(consume())
+        while not started():
+            await asyncio.sleep(0.01)
+        stream.cancel()
+        try:
+            await asyncio.wait_for(task, 20)
+        except BaseException as e:   # noqa: BLE001 - the tests inspect it (a CancelledError included)
+            return e, task.cancelled()
+        raise AssertionError("the stream ended without an error")
+
+
 def test_async_cancel_cuts_a_streams_retry_wait_short(admission):
     server = admission(refuse(retry_after=60.0), ANSWER)
-
-    async def run():
-        async with AsyncClient(server.target, retry=RetryPolicy(max_wait_s=120)) as client:
-            stream = client.stream("hello")
-
-            async def consume():
-                return [d async for d in stream]
-            task = asyncio.create_task(consume())
-            while not server.servicer.calls or server.servicer.calls[0].ended < 0:
-                await asyncio.sleep(0.01)   # until the first attempt was refused
-            stream.cancel()
-            with pytest.raises(Exception) as info:
-                await asyncio.wait_for(task, 20)
-            return info.value
-    error = asyncio.run(run())
-    assert not isinstance(error, asyncio.TimeoutError), "cancel() did not end the retry wait"
+    calls = server.servicer.calls
+    error, _ = asyncio.run(_cancel_once(server.target, lambda: calls and calls[0].ended >= 0))   # first refused
+    assert isinstance(error, Exception) and not isinstance(error, asyncio.TimeoutError), \
+        f"cancel() did not end the retry wait: {error!r}"
     assert len(server.servicer.calls) == 1
 
 
@@ -506,21 +513,6 @@ def test_async_cancel_of_a_stream_still_starting_raises_cancelled_not_a_cancelle
     """cancel() before the server sent anything: grpc.aio raises CancelledError from inside the call; the consumer
     gets a TetherError CANCELLED like any cancel, and its task does not end up looking cancelled."""
     server = admission(("hold", 30.0))
-
-    async def run():
-        async with AsyncClient(server.target, retry=RetryPolicy(max_wait_s=120)) as client:
-            stream = client.stream("hello")
-
-            async def consume():
-                return [d async for d in stream]
-            task = asyncio.create_task(consume())
-            while not server.servicer.calls:
-                await asyncio.sleep(0.01)   # the call reached the server, which holds it without a byte
-            stream.cancel()
-            try:
-                await asyncio.wait_for(task, 20)
-            except TetherError as e:
-                return e, task.cancelled()
-            raise AssertionError("the stream ended without an error")
-    error, cancelled = asyncio.run(run())
-    assert error.code == C.CANCELLED and not cancelled
+    calls = server.servicer.calls
+    error, cancelled = asyncio.run(_cancel_once(server.target, lambda: bool(calls)))   # held without a byte
+    assert isinstance(error, TetherError) and error.code == C.CANCELLED and not cancelled, repr(error)

@@ -190,50 +190,6 @@ store_split(float *y, int64_t col, int64_t n, __m256 e, __m256 o, int act) {
     store_cols(y, col, n, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31), act);
 }
 
-static inline __attribute__((always_inline)) void
-row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, int64_t k, float *y, int64_t col,
-             int64_t n, int act) {
-    const int64_t rec = record_bytes(WEIGHT_Q4_1);
-    const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
-    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        const uint8_t *r0 = blk + g * rec, *r1 = r0 + stride;
-        __m256 de0, do0, me0, mo0, de1 = a0, do1 = a0, me1 = a0, mo1 = a0;
-        prefetch_streams(blk, nb, stride, g, k / GROUP, rec);
-        split_scales(r0, &de0, &do0, &me0, &mo0);
-        if (nb > 1)
-            split_scales(r1, &de1, &do1, &me1, &mo1);
-        for (int i = 0; i < GROUP; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + g * GROUP + i);
-            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r0 + 64 + 8 * i)));
-            __m256 we = _mm256_fmadd_ps(de0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), me0);
-            __m256 wo = _mm256_fmadd_ps(do0, _mm256_cvtepi32_ps(_mm256_and_si256(v, high)), mo0);
-            a0 = _mm256_fmadd_ps(xv, we, a0);
-            b0 = _mm256_fmadd_ps(xv, wo, b0);
-            if (nb > 1) {
-                v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r1 + 64 + 8 * i)));
-                we = _mm256_fmadd_ps(de1, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), me1);
-                wo = _mm256_fmadd_ps(do1, _mm256_cvtepi32_ps(_mm256_and_si256(v, high)), mo1);
-                a1 = _mm256_fmadd_ps(xv, we, a1);
-                b1 = _mm256_fmadd_ps(xv, wo, b1);
-            }
-        }
-    }
-    store_split(y, col, n, a0, b0, act);
-    if (nb > 1)
-        store_split(y, col + BLOCK, n, a1, b1, act);
-}
-
-/* AVX2, 2 to 8 rows: the weights rebuilt in registers next to the FMAs, as the one-row kernels do, rather than into
- * the buffer first, where the rebuild (shuffles, conversions, stores) ran as a phase of its own before the tiles'
- * FMAs: ~120 us a call of the 576 -> 1536 gate whatever the rows (119 us + 17 us a row, 1 thread, hot), so 8 rows
- * ran at half the FMA rate a core sustains (bench/fma_rate.c). Here the shuffles overlap the FMAs. A block's 16
- * columns in two halves (Q4_1's even and odd columns, row_q4_split's masks; Q8_0's first and second eight): up to
- * 6 rows take both in one pass (2 chains a row), 7 and 8 one half a pass (8 chains; 16 accumulators would not fit
- * in AVX2's registers). The gate at 2 / 4 / 8 rows 26 / 42 / 56 -> 38 / 57 / 64 GFLOP/s; the whole model's layers
- * at 8 rows, 2 threads, 24.2 -> 21.2 ms; the head (Q8_0, with the prefetch) at 2 / 4 / 8 rows 1.34x / 1.25x /
- * 1.14x. The same weights (weights_at's; row_q4_split's, equal bit for bit) and every output rowdot's chain over k
- * in order. */
 /* a group's scales for half H: Q4_1's even columns' d and m, or the odd ones' d / 16 and m; Q8_0's d of columns
  * 8H..8H+7 */
 static inline __attribute__((always_inline)) void
@@ -249,8 +205,8 @@ half_scales(const int64_t F, const int H, const uint8_t *rec, __m256 *d, __m256 
     }
 }
 
-/* k-row i's half H of a group record: Q4_1's even (H 0) or odd (H 1) columns' 8 weights, as row_q4_split; Q8_0's
- * first or second eight, as weights_at */
+/* k-row i's half H of a group record: Q4_1's even (H 0) or odd (H 1) columns' 8 weights (row_q4_split's, scaled
+ * as it says); Q8_0's first or second eight, as weights_at */
 static inline __attribute__((always_inline)) __m256
 half_weights(const int64_t F, const int H, const uint8_t *rec, int i, __m256 d, __m256 m) {
     if (F == WEIGHT_Q4_1) {
@@ -270,6 +226,43 @@ store_halves(const int64_t F, float *y, int64_t col, int64_t n, __m256 h0, __m25
         store_cols(y, col, n, h0, h1, act);
 }
 
+static inline __attribute__((always_inline)) void
+row_q4_split(const int nb, const float *x, const uint8_t *blk, int64_t stride, int64_t k, float *y, int64_t col,
+             int64_t n, int act) {
+    const int64_t rec = record_bytes(WEIGHT_Q4_1);
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint8_t *r0 = blk + g * rec, *r1 = r0 + stride;
+        __m256 de0, do0, me0, mo0, de1 = a0, do1 = a0, me1 = a0, mo1 = a0;
+        prefetch_streams(blk, nb, stride, g, k / GROUP, rec);
+        split_scales(r0, &de0, &do0, &me0, &mo0);
+        if (nb > 1)
+            split_scales(r1, &de1, &do1, &me1, &mo1);
+        for (int i = 0; i < GROUP; i++) {
+            __m256 xv = _mm256_broadcast_ss(x + g * GROUP + i);
+            a0 = _mm256_fmadd_ps(xv, half_weights(WEIGHT_Q4_1, 0, r0, i, de0, me0), a0);
+            b0 = _mm256_fmadd_ps(xv, half_weights(WEIGHT_Q4_1, 1, r0, i, do0, mo0), b0);
+            if (nb > 1) {
+                a1 = _mm256_fmadd_ps(xv, half_weights(WEIGHT_Q4_1, 0, r1, i, de1, me1), a1);
+                b1 = _mm256_fmadd_ps(xv, half_weights(WEIGHT_Q4_1, 1, r1, i, do1, mo1), b1);
+            }
+        }
+    }
+    store_split(y, col, n, a0, b0, act);
+    if (nb > 1)
+        store_split(y, col + BLOCK, n, a1, b1, act);
+}
+
+/* AVX2, 2 to 8 rows: the weights rebuilt in registers next to the FMAs, as the one-row kernels do, rather than into
+ * the buffer first, where the rebuild (shuffles, conversions, stores) ran as a phase of its own before the tiles'
+ * FMAs: ~120 us a call of the 576 -> 1536 gate whatever the rows (119 us + 17 us a row, 1 thread, hot), so 8 rows
+ * ran at half the FMA rate a core sustains (bench/fma_rate.c). Here the shuffles overlap the FMAs. A block's 16
+ * columns in two halves (Q4_1's even and odd columns, row_q4_split's masks; Q8_0's first and second eight): up to
+ * 6 rows take both in one pass (2 chains a row), 7 and 8 one half a pass (8 chains; 16 accumulators would not fit
+ * in AVX2's registers). The gate at 2 / 4 / 8 rows 26 / 42 / 56 -> 38 / 57 / 64 GFLOP/s; the whole model's layers
+ * at 8 rows, 2 threads, 24.2 -> 21.2 ms; the head (Q8_0, with the prefetch) at 2 / 4 / 8 rows 1.34x / 1.25x /
+ * 1.14x. The same weights (weights_at's; row_q4_split's, equal bit for bit) and every output rowdot's chain over k
+ * in order. */
 #define HALVES_BOTH 6       /* rows a tile takes both halves of a block for, in one pass (2 chains a row) */
 #define HALVES_MAX_ROWS 8   /* a tile's rows at most: up to here AVX2 rebuilds in the tiles, then the buffer */
 #define HR(j, w, i) if (R > j) a##j = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * ldx + (i)), w, a##j);
