@@ -89,7 +89,9 @@ class Driver:
         self.stamp_checks = stamp_checks
         self._echo_ok = self._echo_matches if stamp_checks else _trusted
         self._token_ok = self._token_hash_matches if stamp_checks else _trusted
-        self.prefix_cache = prefix_cache     # send cached prefixes the stages hold (False: --no-prefix-cache)
+        # send cached prefixes the stages hold (False: --no-prefix-cache; and without the stamp checks, whose
+        # stages keep no prefix cache: services/stage_worker/unchecked.py)
+        self.prefix_cache = prefix_cache and stamp_checks
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
         self.frames = FramesInFlight()

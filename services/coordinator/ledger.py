@@ -11,10 +11,9 @@ cannot confirm is refused (PREFIX_MISS) and replayed cold, never trusted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from tether.kv.blocks import BlockPool, block_keys
+from tether.kv.blocks import NO_HIT, BlockPool, PrefixHit, block_keys, inner_keys
 from tether.mathutil import ceil_div
+from tether.protocol.hashing import ContextHasher
 
 UNBOUNDED = 1 << 40
 
@@ -27,6 +26,7 @@ class BlockLedger:
         self.held: dict[str, list[int]] = {}        # request id -> its blocks, in position order
         self.stale: dict[str, list[int]] = {}       # rebuilt: the old epoch's blocks, freed by the replay's first frame
         self.releasing: dict[str, list[int]] = {}   # a Release is under way: freed once every stage has answered
+        self.copying: dict[str, int] = {}           # a new request's cached block to copy from: held until `hold`
         self.generation = 0      # bumped whenever the mirrored cache is forgotten (in load reports: routing's
                                  # prefix affinity to this pipeline is void from then on)
 
@@ -61,17 +61,18 @@ class BlockLedger:
         """Blocks `rid` must still get to hold `positions` positions."""
         return max(0, self.blocks(positions) - len(self.held.get(rid, ())))
 
-    def can_hold(self, rid: str, positions: int, prefix: Sequence[int] = ()) -> bool:
-        """Whether `rid` can grow to `positions` positions now (starting from the cached blocks `prefix`, if
-        given): its stale blocks are freed first, and attaching an unheld cached block takes it off the
+    def can_hold(self, rid: str, positions: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Whether `rid` can grow to `positions` positions now (starting from the cached prefix `hit`, if
+        given): its stale blocks are freed first, and taking an unheld cached block takes it off the
         evictable list."""
         gain = sum(1 for b in self.stale.get(rid, ()) if self.pool.refs.get(b) == 1)
-        taken = sum(1 for b in prefix if b in self.pool.evictable)
-        return self.need(rid, positions) - len(prefix) <= self.pool.available + gain - taken
+        taken = sum(1 for b in hit.held() if b in self.pool.evictable)
+        return self.need(rid, positions) - len(hit.blocks) <= self.pool.available + gain - taken
 
     def hold(self, rid: str, positions: int) -> None:
         """Grow `rid` to `positions` positions (NoCapacity if the pool cannot: check `can_hold` first). A
-        rebuilt request's old blocks go first, as the stages free them when the replay's frame arrives."""
+        rebuilt request's old blocks go first, as the stages free them when the replay's frame arrives; a
+        block copied from is let go once the new blocks are taken, as the stages do."""
         stale = self.stale.pop(rid, None)
         if stale:
             self.pool.release(stale)
@@ -79,31 +80,47 @@ class BlockLedger:
         more = self.blocks(positions) - len(blocks)
         if more > 0:
             blocks += self.pool.allocate(more)
+        source = self.copying.pop(rid, None)
+        if source is not None:
+            self.pool.release([source])
 
     def coming_back(self) -> int:
         """Blocks that Releases under way will free (those no one else holds)."""
         return sum(1 for blocks in self.releasing.values() for b in blocks if self.pool.refs.get(b) == 1)
 
-    def cached_prefix(self, seed: int, ids: list[int]) -> list[int]:
-        """The cached blocks a new context can start from: the longest run of its full blocks, always leaving
-        at least its last token to compute (the stages must produce its logits)."""
-        if not self.caching or len(ids) <= self.block:
-            return []
-        usable = (len(ids) - 1) // self.block * self.block
-        return self.pool.match(block_keys(seed, ids[:usable], self.block))
+    def cached_prefix(self, seed: int, ids: list[int]) -> PrefixHit:
+        """Where a new context can start from the cache: the longest run of its full blocks, then the longest
+        start of one more cached block, always leaving at least its last token to compute (the stages must
+        produce its logits). Each block is linked to the one matched before it, as the stages check."""
+        if not self.caching or len(ids) <= 1:
+            return NO_HIT
+        block = self.block
+        keys = block_keys(seed, ids[:(len(ids) - 1) // block * block], block)
+        found = self.pool.match(keys, lambda i, b, entry, prev: entry.info == _serial(prev))
+        start = len(found) * block
+        hasher = ContextHasher(seed)
+        hasher.extend(ids[:start])
+        parent = _serial(self.pool.entry(found[-1]) if found else None)
+        part = self.pool.match_inner(hasher.extend_each(ids[start:min(start + block, len(ids)) - 1]),
+                                     lambda b, entry, n: entry.info == parent)
+        return PrefixHit(found, *part) if part else PrefixHit(found)
 
-    def attach(self, rid: str, blocks: list[int]) -> None:
-        """`rid` starts from these cached blocks (its first positions)."""
+    def attach(self, rid: str, hit: PrefixHit) -> None:
+        """`rid` starts from the cached prefix `hit` (its first positions); a block it copies from stays held
+        until `hold` has taken the new blocks, as on the stages."""
         stale = self.stale.pop(rid, None)
         if stale:
             self.pool.release(stale)
         assert not self.held.get(rid), "a cached prefix only starts an empty request"
-        self.pool.acquire(blocks)
-        self.held[rid] = list(blocks)
+        self.pool.acquire(hit.held())
+        self.held[rid] = list(hit.blocks)
+        if hit.source is not None:
+            self.copying[rid] = hit.source
 
-    def register(self, rid: str, seed: int, block_ends: list[int], start: int) -> None:
-        """`rid`'s blocks start..len(block_ends)-1 became full, with these chain values at their ends: cache
-        them as every stage does (tether/kv/blocks.py, services/stage_worker/state.py)."""
+    def register(self, rid: str, seed: int, ids: list[int], block_ends: list[int], start: int) -> None:
+        """`rid`'s blocks start..len(block_ends)-1 became full (its context `ids`, with these chain values at
+        the blocks' ends): cache them as every stage does, each linked to the registration before it, with
+        their inner keys (tether/kv/blocks.py, services/stage_worker/state.py)."""
         if not self.caching:
             return
         blocks = self.held.get(rid, [])
@@ -111,10 +128,15 @@ class BlockLedger:
             b = blocks[i]
             if self.pool.entry(b) is not None:
                 continue
-            if i > 0 and self.pool.entry(blocks[i - 1]) is None and (
-                    self.pool.lookup((seed, block_ends[i - 1])) is None):
-                continue                     # no registered block before it: the stages do not cache it either
-            self.pool.register(b, (seed, block_ends[i]))
+            prev = None
+            if i > 0:
+                prev = self.pool.entry(blocks[i - 1])
+                if prev is None:             # the block before is private: link to the cached twin, if any
+                    twin = self.pool.lookup((seed, block_ends[i - 1]))
+                    prev = self.pool.entry(twin) if twin is not None else None
+                    if prev is None:
+                        continue             # no registered block before it: the stages do not cache it either
+            self.pool.register(b, (seed, block_ends[i]), _serial(prev), inner_keys(seed, ids, i, self.block))
 
     def rebuild(self, rid: str) -> None:
         """`rid` will be replayed from position 0 under a new epoch: the stages keep its old blocks until the
@@ -143,3 +165,8 @@ class BlockLedger:
     @property
     def cached(self) -> int:
         return len(self.pool.evictable)
+
+
+def _serial(entry) -> int:
+    """A registration's serial as its child records it (0: none, the context's first block)."""
+    return entry.serial if entry is not None else 0

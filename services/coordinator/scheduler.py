@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.coordinator.ledger import BlockLedger
-from tether.kv.blocks import extend_by_blocks
+from tether.kv.blocks import NO_HIT, extend_by_blocks
 from tether.generation.sequence import Sequence
 from tether import settings
 from tether.mathutil import ceil_div
@@ -316,7 +316,7 @@ class Scheduler:
         """The frame of `req` landed on every stage: note it, and cache its new full blocks as they do."""
         start = len(req.block_ends)
         req.confirm(self.ledger.block)
-        self.ledger.register(req.id, req.seq.hash_seed, req.block_ends, start)
+        self.ledger.register(req.id, req.seq.hash_seed, req.seq.all_ids, req.block_ends, start)
 
     def released(self, request_id: str) -> None:
         """Every stage answered the Release of `request_id`: its blocks are free, and if it was preempted it
@@ -392,14 +392,14 @@ class Scheduler:
         """Move a waiting request into the running set if its whole context fits (after its cached prefix);
         its first frame's stamp is set. Returns the rows that frame computes, or None if it must wait."""
         ids = req.seq.all_ids
-        consult = self.ledger.caching and not req.no_prefix and len(ids) > self.ledger.block
-        prefix = self.ledger.cached_prefix(req.seq.hash_seed, ids) if consult else []
+        consult = self.ledger.caching and not req.no_prefix and len(ids) > 1
+        hit = self.ledger.cached_prefix(req.seq.hash_seed, ids) if consult else NO_HIT
         positions = max(len(ids), req.final_positions) if req.reserves else len(ids)
-        if not self.ledger.can_hold(req.id, positions, prefix):
+        if not self.ledger.can_hold(req.id, positions, hit):
             return None
-        cached = len(prefix) * self.ledger.block
-        if prefix:
-            self.ledger.attach(req.id, prefix)
+        cached = hit.tokens(self.ledger.block)
+        if hit:
+            self.ledger.attach(req.id, hit)
         self.ledger.hold(req.id, positions)
         self.waiting.remove(req)
         self.running[req.id] = req

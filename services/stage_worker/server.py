@@ -287,7 +287,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 steps=w.steps)
             pool = w.arena.pool
             stats.prefix_queries, stats.prefix_hits = pool.counters.queries, pool.counters.hits
-            stats.prefix_hit_tokens = pool.counters.hit_blocks * w.arena.block
+            stats.prefix_hit_tokens = pool.counters.hit_tokens
             stats.prefix_evictions = pool.counters.evictions
             stats.kv_blocks_used, stats.kv_blocks_cached = pool.used, len(pool.evictable)
             stats.kv_blocks_total = pool.capacity

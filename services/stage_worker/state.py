@@ -22,10 +22,10 @@ from functools import cached_property
 
 import torch
 
-from tether.kv.blocks import BlockPool, NoCapacity, block_keys, extend_by_blocks
+from tether.kv.blocks import NO_HIT, BlockPool, NoCapacity, PrefixHit, block_keys, extend_by_blocks, inner_keys
 from tether.kv.paged import PagedKV
 from tether.protocol import tensors
-from tether.protocol.hashing import ContextHasher, sampling_digest
+from tether.protocol.hashing import ContextHasher, context_hash, sampling_digest
 from tether.protocol.stamp_key import StampKey
 from tether.v1 import stage_pb2
 
@@ -122,7 +122,7 @@ class SlotView:
     held: RequestState | None           # what the stage holds for the request, any epoch
     live: RequestState | None           # ... if the slot extends it (same epoch): None starts a new state
     replaces: RequestState | None       # ... if the slot starts a newer epoch over it
-    blocks: list[int] = field(default_factory=list)   # cached blocks of the prefix, left by the prefix check
+    hit: PrefixHit = NO_HIT             # where the cached prefix is, left by the prefix check
 
     @classmethod
     def of(cls, slot: stage_pb2.Slot, requests: dict[str, RequestState], frame: FrameView) -> "SlotView":
@@ -240,13 +240,6 @@ def _in_window(state, v: SlotView) -> str | None:
     return None
 
 
-def _on_block_grid(state, v: SlotView) -> str | None:
-    c = v.slot.cached_prefix
-    if c and (not state.block or c % state.block):
-        return f"cached_prefix {c} must be a multiple of {state.block or 'the KV block'}"
-    return None
-
-
 def _not_older(state, v: SlotView) -> str | None:
     e, held = v.slot.stamp.epoch, v.held
     return f"epoch {e} is older than held epoch {held.epoch}" if held is not None and e < held.epoch else None
@@ -300,7 +293,7 @@ def _prefix_cached(state, v: SlotView) -> str | None:
     if not v.slot.cached_prefix:
         return None
     try:
-        v.blocks = state._cached_blocks(v.slot.hash_seed, list(v.slot.stamp.token_ids), v.slot.cached_prefix)
+        v.hit = state._cached_blocks(v.slot.hash_seed, list(v.slot.stamp.token_ids), v.slot.cached_prefix)
     except Rejected as e:
         return e.detail
     return None
@@ -341,7 +334,6 @@ CHECKS: tuple[Check, ...] = (
     Check("slot", RejectReason.BAD_FRAME, _sampling_matches, True),
     Check("state", RejectReason.BAD_FRAME, _named, False),
     Check("state", RejectReason.BAD_FRAME, _in_window, False),
-    Check("state", RejectReason.BAD_FRAME, _on_block_grid, False),
     Check("state", RejectReason.STALE_EPOCH, _not_older, True),
     Check("state", RejectReason.STALE_EPOCH, _new_epoch_at_zero, True),
     Check("state", RejectReason.UNKNOWN_REQUEST, _known, True),
@@ -404,28 +396,41 @@ class StageState:
             fresh = True
         if v.replaces is not None:
             self.release([rid])
-        if v.blocks:
-            held.kv.attach(v.blocks)
+        if v.hit:
+            held.kv.attach(v.hit.blocks, v.hit.source, v.hit.count)
         return Admitted(held, st.position, list(st.token_ids), st.context_hash, fresh, v.slot.cached_prefix)
 
-    def _cached_blocks(self, seed: int, ids: list[int], cached: int) -> list[int]:
-        """The cached blocks holding the first `cached` of `ids`, every one confirmed (seed, token ids, and
-        the chain of registrations); PREFIX_MISS unless all are there."""
+    def _cached_blocks(self, seed: int, ids: list[int], cached: int) -> PrefixHit:
+        """Where the first `cached` of `ids` are cached: whole blocks, then (unless `cached` ends on a block
+        boundary) the first positions of one more block, found by the chain's value at `cached`. Every block
+        is confirmed (seed, token ids, and the chain of registrations); PREFIX_MISS unless all are there."""
         pool, block = self.pool, self.block
         if pool is None:
             raise Rejected(RejectReason.PREFIX_MISS, "this stage keeps no prefix cache")
-        n = cached // block
+        n, part = divmod(cached, block)
 
         def confirm(i: int, b: int, entry, prev) -> bool:
             info: CachedBlock = entry.info
             return (info is not None and info.seed == seed and info.tokens == tuple(ids[i * block:(i + 1) * block])
                     and info.parent == (prev.serial if prev is not None else 0))
 
-        found = pool.match(block_keys(seed, ids[:cached], block), confirm)
-        pool.count_query(n, len(found))
+        found = pool.match(block_keys(seed, ids[:n * block], block), confirm)
+        source = None
+        if len(found) == n and part:
+            parent = pool.entries[found[-1]].serial if found else 0
+            b = pool.inner.get(context_hash(seed, ids[:cached]))
+            info = pool.entries[b].info if b is not None else None
+            if (info is not None and info.seed == seed and info.parent == parent
+                    and info.tokens[:part] == tuple(ids[n * block:cached])):
+                source = b
+        whole = len(found) == n and (source is not None or not part)
+        pool.count_query(n, len(found), cached if whole else 0)
         if len(found) < n:
             raise Rejected(RejectReason.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
-        return found
+        if part and source is None:
+            raise Rejected(RejectReason.PREFIX_MISS, f"no block here starts with the {part} tokens after the "
+                                                     f"{n} whole blocks asked for")
+        return PrefixHit(found, source, part if source is not None else 0)
 
     def reserve(self, a: Admitted) -> None:
         """Make room in the request's KV for the slot's rows; NO_CAPACITY (the stage as it was) if the pool cannot."""
@@ -478,7 +483,7 @@ class StageState:
                         continue
             info = CachedBlock(state.hasher.seed, tuple(state.tokens[i * block:end]),
                                prev.serial if prev is not None else 0)
-            pool.register(b, (state.hasher.seed, value), info)
+            pool.register(b, (state.hasher.seed, value), info, inner_keys(state.hasher.seed, state.tokens, i, block))
 
     def abandon(self, a: Admitted) -> None:
         """The step failed after admission: free a state that was never committed."""

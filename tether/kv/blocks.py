@@ -8,7 +8,10 @@ cached prefix only where the stages will have it (a stage still confirms every b
 
 A full block may be *registered* under a key (the context hash chain at the block's end, which is salted
 with the model and the tenant's namespace). Registered blocks stay after their last holder lets go,
-evictable in least-recently-used order when the pool needs room.
+evictable in least-recently-used order when the pool needs room. A registered block is also found by the
+chain's value after each of its first block - 1 tokens (its *inner keys*): a context that shares only the
+start of a block (a short system prompt, then its own question) copies those positions into a block of its
+own (`PrefixHit.source`), since a block is shared only whole.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ def extend_by_blocks(hasher: ContextHasher, token_ids, block: int) -> list[int]:
     return ends
 
 
+def inner_keys(seed: int, token_ids, index: int, block: int) -> list[int]:
+    """The inner keys of full block `index` of a context: the chain's value after each of its first block - 1
+    tokens (seeded, so a tenant's keys are its own)."""
+    hasher = ContextHasher(seed)
+    hasher.extend(token_ids[:index * block])
+    return hasher.extend_each(token_ids[index * block:(index + 1) * block - 1])
+
+
 def block_keys(seed: int, token_ids: list[int], block: int) -> list[tuple[int, int]]:
     """The prefix-cache key of each full block of `token_ids`: (seed, the context chain's value at the
     block's end). The seed is in the key as well as in the chain: tenants never share a key."""
@@ -54,13 +65,39 @@ class Cached:
     key: Hashable
     serial: int                 # unique per registration: a child names its parent by it, never by block id
     info: Any = None
+    inner: tuple[int, ...] = ()   # the inner keys this block answers (one block per key: the first registered)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Where a new context's first positions are cached: whole blocks to share, then possibly the first
+    `count` positions of one more cached block (`source`), copied into a block of the context's own."""
+
+    blocks: list[int] = field(default_factory=list)
+    source: int | None = None
+    count: int = 0
+
+    def tokens(self, block: int) -> int:
+        """Positions the hit covers (the slot's `cached_prefix`)."""
+        return len(self.blocks) * block + self.count
+
+    def held(self) -> list[int]:
+        """Every cached block the hit reads: while it is taken none of them may be evicted."""
+        return self.blocks + ([self.source] if self.source is not None else [])
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks) or self.source is not None
+
+
+NO_HIT = PrefixHit()
 
 
 @dataclass
 class BlockCounters:
     queries: int = 0            # prefix lookups
     hits: int = 0               # lookups that found every block asked for
-    hit_blocks: int = 0
+    hit_blocks: int = 0         # of them, whole blocks shared
+    hit_tokens: int = 0         # positions the hits covered (whole blocks and copied parts)
     evictions: int = 0          # cached blocks evicted to make room
 
 
@@ -71,6 +108,7 @@ class BlockPool:
     free: list[int] = field(default_factory=list)        # used before, now free (reused before fresh ids)
     cached: dict[Hashable, int] = field(default_factory=dict)      # key -> block
     entries: dict[int, Cached] = field(default_factory=dict)       # block -> its registration
+    inner: dict[int, int] = field(default_factory=dict)            # inner key -> block
     evictable: OrderedDict[int, None] = field(default_factory=OrderedDict)   # cached, no holder: LRU first
     counters: BlockCounters = field(default_factory=BlockCounters)
     fresh: int = 0                                       # ids below it have been handed out before
@@ -137,15 +175,19 @@ class BlockPool:
         return freed
 
     # --- the prefix cache -------------------------------------------------------------------------------
-    def register(self, block: int, key: Hashable, info: Any = None) -> Cached | None:
-        """Keep a full, held block for reuse under `key`. A key already cached keeps its first block (the new
-        one stays private to its holder). Returns the registration, or None."""
+    def register(self, block: int, key: Hashable, info: Any = None, inner: Sequence[int] = ()) -> Cached | None:
+        """Keep a full, held block for reuse under `key`, and findable by those of its `inner` keys no other
+        cached block answers. A key already cached keeps its first block (the new one stays private to its
+        holder). Returns the registration, or None."""
         if key in self.cached or block in self.entries or block not in self.refs:
             return None
         self._serial += 1
-        entry = Cached(key, self._serial, info)
+        owned = tuple(k for k in inner if k not in self.inner)
+        entry = Cached(key, self._serial, info, owned)
         self.cached[key] = block
         self.entries[block] = entry
+        for k in owned:
+            self.inner[k] = block
         return entry
 
     def lookup(self, key: Hashable) -> int | None:
@@ -170,11 +212,24 @@ class BlockPool:
             prev = entry
         return out
 
-    def count_query(self, asked: int, found: int) -> None:
+    def match_inner(self, values: Sequence[int], confirm=None) -> tuple[int, int] | None:
+        """The longest start of a cached block that continues a context: `values` are the chain's values after
+        each of its next tokens; returns (block, tokens) for the last value some cached block answers and
+        `confirm(block, entry, tokens)` accepts, else None. Touches nothing."""
+        for n in range(len(values), 0, -1):
+            b = self.inner.get(values[n - 1])
+            if b is not None and (confirm is None or confirm(b, self.entries[b], n)):
+                return b, n
+        return None
+
+    def count_query(self, asked: int, found: int, tokens: int) -> None:
+        """One lookup for `tokens` positions: `asked` whole blocks (and part of one more), `found` of them
+        there; a hit when everything asked was."""
         self.counters.queries += 1
-        if asked and found >= asked:
+        if tokens and found >= asked:
             self.counters.hits += 1
             self.counters.hit_blocks += asked
+            self.counters.hit_tokens += tokens
 
     def drop_cache(self) -> list[int]:
         """Forget every registration (a peer restarted, or caching turned off); unheld blocks become free.
@@ -183,9 +238,12 @@ class BlockPool:
         self.evictable.clear()
         self.cached.clear()
         self.entries.clear()
+        self.inner.clear()
         self.free.extend(freed)
         return freed
 
     def _forget(self, block: int) -> None:
         entry = self.entries.pop(block)
         del self.cached[entry.key]
+        for k in entry.inner:
+            del self.inner[k]

@@ -110,6 +110,14 @@ class BlockArena:
         self.pool.acquire(ids)
         return self.owner[long_tensor(ids)].tolist()
 
+    def copy_positions(self, source: int, tag: int, dest: int, count: int) -> None:
+        """Copy the first `count` positions of cached block `source` (which must still carry `tag`) into block
+        `dest`, every layer: the same bits as computing them again (batch invariance)."""
+        self.verify(long_tensor([source]), long_tensor([tag]))
+        for k, v in zip(self.k, self.v):
+            k[dest, :, :count] = k[source, :, :count]
+            v[dest, :, :count] = v[source, :, :count]
+
     def release(self, ids: list[int], tags: list[int]) -> None:
         if not ids:
             return
@@ -152,7 +160,8 @@ class PagedKV:
     cached).
 
     `length` counts positions whose K/V are complete. `written` is how far any step has written: a failed
-    step can leave data past `length`, which is zeroed before a later step reads that block.
+    step can leave data past `length`, which is zeroed before a later step reads that block. A state started
+    from part of a cached block holds that block (`_copy_from`) until `ensure` has copied its positions.
     """
 
     def __init__(self, arena: BlockArena, owner: str = "") -> None:
@@ -163,6 +172,7 @@ class PagedKV:
         self.tags: list[int] = []
         self.length = 0
         self.written = 0
+        self._copy_from: tuple[int, int, int] | None = None   # (cached block, its tag, positions) still to copy
 
     @property
     def capacity(self) -> int:
@@ -172,16 +182,32 @@ class PagedKV:
         """Make room for `total` positions (NoCapacity when the pool cannot)."""
         need = ceil_div(total, self.arena.block) - len(self.blocks)
         if need > 0:
+            first = len(self.blocks)
             self.blocks += self.arena.allocate(need, self.serial)
             self.tags += [self.serial] * need
+            if self._copy_from is not None:
+                source, tag, count = self._copy_from
+                self.arena.copy_positions(source, tag, self.blocks[first], count)
+                self._let_go_of_source()
 
-    def attach(self, blocks: list[int]) -> None:
-        """Start from cached blocks: a new state's first positions, read-only (writes only ever go past them)."""
-        if self.blocks:
+    def attach(self, blocks: list[int], source: int | None = None, count: int = 0) -> None:
+        """Start from cached blocks: a new state's first positions, read-only (writes only ever go past them);
+        then, given a `source`, the first `count` positions of that cached block, copied into this state's own
+        next block when `ensure` makes it (held meanwhile, so no allocation evicts it)."""
+        if self.blocks or self._copy_from is not None:
             raise RuntimeError("a cached prefix can only start an empty KV state")
-        self.tags = self.arena.attach(blocks)
-        self.blocks = list(blocks)
-        self.length = self.written = self.capacity
+        held = blocks + ([source] if source is not None else [])
+        tags = self.arena.attach(held)
+        self.blocks, self.tags = list(blocks), tags[:len(blocks)]
+        if source is not None:
+            self._copy_from = (source, tags[-1], count)
+        self.length = self.written = self.capacity + (count if source is not None else 0)
+
+    def _let_go_of_source(self) -> None:
+        assert self._copy_from is not None
+        source, tag, _ = self._copy_from
+        self._copy_from = None
+        self.arena.release([source], [tag])
 
     def locate(self, start: int, end: int) -> tuple[list[int], list[int]]:
         """Block id and offset of each position start..end-1."""
@@ -215,5 +241,7 @@ class PagedKV:
         self.written = end
 
     def release(self) -> None:
+        if self._copy_from is not None:
+            self._let_go_of_source()
         self.arena.release(self.blocks, self.tags)
         self.blocks, self.tags, self.length, self.written = [], [], 0, 0

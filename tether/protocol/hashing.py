@@ -56,6 +56,16 @@ class ContextHasher:
         self.length += len(token_ids)
         return self._h.intdigest()
 
+    def extend_each(self, token_ids) -> list[int]:
+        """Extend by `token_ids` one at a time; the chain's value after each (the prefix cache's keys inside a
+        block)."""
+        out = []
+        for t in token_ids:
+            self._h.update(token_bytes((t,)))
+            out.append(self._h.intdigest())
+        self.length += len(out)
+        return out
+
     def copy(self) -> "ContextHasher":
         c = ContextHasher.__new__(ContextHasher)
         c.seed, c._h, c.length = self.seed, self._h.copy(), self.length

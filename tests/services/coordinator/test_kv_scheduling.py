@@ -7,8 +7,7 @@ from __future__ import annotations
 from services.coordinator.ledger import BlockLedger
 from services.coordinator.scheduler import Request, Scheduler
 from tether.generation.sequence import Sequence
-from tether.kv.blocks import BlockPool, block_keys
-from tether.kv.blocks import NoCapacity
+from tether.kv.blocks import BlockPool, NoCapacity, PrefixHit, block_keys
 from tether.model.loader import load_model_tokenizer, resolve_model
 from tether.priority import Priority
 from tether.protocol.hashing import hash_seed
@@ -237,7 +236,7 @@ def test_the_last_token_is_always_computed_and_tenants_do_not_share():
     s.add(same)
     s.add(other)
     s.next_batch()
-    assert same.cached == B and other.cached == 0
+    assert same.cached == 2 * B - 1 and other.cached == 0    # a whole block, then 3 of the next one's 4
 
 
 def test_no_prefix_after_a_miss_or_a_rebuild_and_none_when_caching_is_off():
@@ -262,9 +261,43 @@ def test_ledger_registers_what_the_stages_register():
     ids = SYSTEM + [1, 2, 3, 4]
     keys = block_keys(SEED, ids, B)
     led.hold("a", len(ids))
-    led.register("a", SEED, [k for _, k in keys], 0)
+    led.register("a", SEED, ids, [k for _, k in keys], 0)
     assert [led.pool.lookup(k) for k in keys] == led.held["a"][:3]
     led.hold("b", len(ids))                                   # a twin computed the same blocks privately
-    led.register("b", SEED, [k for _, k in keys], 0)
+    led.register("b", SEED, ids, [k for _, k in keys], 0)
     assert all(led.pool.entry(bl) is None for bl in led.held["b"])
-    assert led.cached_prefix(SEED, ids + [9]) == led.held["a"][:3]
+    assert led.cached_prefix(SEED, ids + [9]) == PrefixHit(led.held["a"][:3])
+
+
+def test_a_context_sharing_part_of_a_block_copies_it_and_leaves_it_cached():
+    s = sched_with(capacity=16)
+    a = served(s, SYSTEM + [1, 2, 3, 4])                     # three full blocks cached: the last one [1, 2, 3, 4]
+    third = s.ledger.pool.lookup(block_keys(SEED, a.seq.all_ids[:3 * B], B)[2])
+    b = req("b", prompt=SYSTEM + [1, 2, 7], max_tokens=1)
+    s.add(b)
+    assert s.next_batch() == [b]
+    assert b.cached == 2 * B + 2 and len(b.sent.token_ids) == 2 * B + 3   # only the 7 is computed
+    held = s.ledger.held["b"]
+    assert len(held) == 3 and held[2] != third                # the copy goes into a block of b's own
+    assert s.ledger.pool.refs.get(third) is None and third in s.ledger.pool.evictable   # let go, still cached
+    assert s.figures.prefix_hit_tokens == 2 * B + 2
+    # a context that differs inside the shared part finds only its whole blocks
+    assert s.ledger.cached_prefix(SEED, SYSTEM + [8, 9, 9]) == PrefixHit(s.ledger.pool.match(
+        block_keys(SEED, SYSTEM, B)))
+    # nor does a context of another tenant, or one whose block before differs
+    assert not s.ledger.cached_prefix(hash_seed("fp", "tenant-b"), SYSTEM + [1, 2, 7])
+    assert s.ledger.cached_prefix(SEED, [99] * B + [1, 2, 7]) == PrefixHit()
+
+
+def test_a_block_being_copied_from_is_never_the_one_evicted_for_the_copy():
+    s = sched_with(capacity=3)
+    a = served(s, SYSTEM + [1, 2, 3, 4])                      # 3 blocks, all cached and evictable, none free
+    first, second, third = s.ledger.pool.match(block_keys(SEED, a.seq.all_ids[:3 * B], B))
+    c = req("c", prompt=SYSTEM[:B + 2] + [5], max_tokens=1)   # the first block whole, then 2 of the second
+    s.add(c)
+    assert s.next_batch() == [c] and c.cached == B + 2
+    assert s.ledger.held["c"] == [first, third]               # the third was the only one it could evict
+    assert s.ledger.pool.counters.evictions == 1 and second in s.ledger.pool.evictable
+    # with the source the only cached block left, a context needing a new block must wait
+    d = req("d", prompt=SYSTEM[:B + 2] + [6], max_tokens=1)
+    assert not s.ledger.can_hold(d.id, 7, s.ledger.cached_prefix(SEED, d.seq.all_ids))
