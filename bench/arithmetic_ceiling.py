@@ -6,8 +6,10 @@ At C streams of --input-len / --output-len requests, with one micro-batch in fli
 requests), every round decodes C rows through all the layers and the head, and a new request's prompt is
 prefilled once per --output-len tokens it yields: per round C / output_len prefills. A prompt is prefilled as
 served: --input-len tokens of text sent as one user message, so with the model's chat template around them
-(smollm2's system turn adds 30 tokens: 64 become 94), and as many prompts to a call as the coordinator puts in a
-micro-batch (MAX_BATCH_TOKENS rows, at most C prompts). The whole model in one process on the threads the stages
+(smollm2's system turn adds 30 tokens: 64 become 94), after the start every prompt shares (the template's system
+turn and the user turn's header: the prefix cache serves it from a cached block, docs/PROTOCOL.md "Prefix cache"),
+and as many prompts to a call as the coordinator puts in a micro-batch (MAX_BATCH_TOKENS computed rows, at most C
+prompts). The whole model in one process on the threads the stages
 have in total, the same numerics (`--dtype auto`, --linear-inputs) and instruction sets; each time a median.
 Sampling, the hops and the coordinator are left out: the gap between this ceiling and the served rate is theirs
 (and the other processes' share of the cores).
@@ -54,6 +56,7 @@ class Round:
     prompt_tokens: int = 0   # the prompt's tokens as served (the text's and its chat template's)
     decode_gflop: float = 0.0    # the round's decode rows and head: 2 a multiply-add (linears and attention)
     prefill_gflop: float = 0.0   # one prompt's prefill
+    cached_tokens: int = 0       # of the prompt's tokens, those the prefix cache serves (not prefilled)
 
     def rates(self) -> tuple[float, float]:
         """GFLOP/s of the decode rows with their head, and of a prefill."""
@@ -69,10 +72,11 @@ class Round:
 
 def model_gflop(cfg: ModelConfig, rows: int, context: int, head_rows: int = 0, causal: bool = False) -> float:
     """The multiply-adds (2 FLOPs each) of `rows` rows through every layer (linears, and attention over `context`
-    positions each, or over 1..rows with `causal`: a prompt) and of `head_rows` rows through the head."""
+    positions each, or with `causal` over context + 1..rows: a prompt after `context` cached positions) and of
+    `head_rows` rows through the head."""
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     linear = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
-    positions = rows * (rows + 1) // 2 if causal else rows * context
+    positions = rows * context + (rows * (rows + 1) // 2 if causal else 0)
     attention = 2 * q * positions   # q . k and p . v: a head_dim each, every head, every position
     return 2 * (cfg.num_hidden_layers * (rows * linear + attention) + head_rows * h * cfg.vocab_size) / 1e9
 
@@ -107,33 +111,44 @@ def prompts_per_call(concurrency: int, prompt_tokens: int) -> int:
     return max(1, min(concurrency, settings.MAX_BATCH_SLOTS, settings.MAX_BATCH_TOKENS // max(1, prompt_tokens)))
 
 
-def prefill_ms(model, prompt_tokens: int, threads: int, prompts: int = 1, repeats: int = 3) -> float:
-    """A prompt's share of a call that prefills `prompts` prompts of `prompt_tokens` tokens together: ms."""
+def prefill_ms(model, prompt_tokens: int, threads: int, prompts: int = 1, repeats: int = 3, cached: int = 0) -> float:
+    """A prompt's share of a call that prefills `prompts` prompts of `prompt_tokens` tokens together, each after
+    its first `cached` positions (already in its KV, untimed): ms."""
     times = []
     g = torch.Generator().manual_seed(1)
+    rows = prompt_tokens - cached
     for _ in range(repeats):
         kvs = [model.new_kv() for _ in range(prompts)]
         for kv in kvs:
             kv.ensure(prompt_tokens)
-        tokens = torch.randint(0, 256, (prompts * prompt_tokens,), generator=g)
+        if cached:
+            model(torch.randint(0, 256, (prompts * cached,), generator=g),
+                  [SlotRows(kv, 0, cached) for kv in kvs], threads)
+        tokens = torch.randint(0, 256, (prompts * rows,), generator=g)
         t = time.perf_counter()
-        model(tokens, [SlotRows(kv, 0, prompt_tokens) for kv in kvs], threads)
+        model(tokens, [SlotRows(kv, cached, rows) for kv in kvs], threads)
         times.append(time.perf_counter() - t)
         for kv in kvs:
             kv.release()
     return statistics.median(times) * 1000 / prompts
 
 
-def chat_prompt_tokens(folder: str | Path, prompts: list[str]) -> int:
+def chat_prompt_tokens(folder: str | Path, prompts: list[str]) -> tuple[int, int]:
     """The median token count of `prompts`, each sent as one user message, as admission renders and tokenizes
-    it (tokenize_conversation: the model's chat template around the text)."""
+    it (tokenize_conversation: the model's chat template around the text), and how many tokens they all start
+    with (what the prefix cache serves every prompt but the first: never the last token)."""
     tok = load_model_tokenizer(folder)
     template = load_chat_template(folder)
-    return round(statistics.median(len(tokenize_conversation(template, tok, [("user", p)])[1]) for p in prompts))
+    served = [tokenize_conversation(template, tok, [("user", p)])[1] for p in prompts]
+    shared = 0
+    while all(len(ids) > shared + 1 and ids[shared] == served[0][shared] for ids in served):
+        shared += 1
+    return round(statistics.median(len(ids) for ids in served)), shared
 
 
-def synthetic_prompt_tokens(folder: str | Path, input_len: int, samples: int = 8) -> int:
-    """A synthetic --input-len request's prompt as served (the load's own prompts: tether/loadtest/workloads.py)."""
+def synthetic_prompt_tokens(folder: str | Path, input_len: int, samples: int = 8) -> tuple[int, int]:
+    """A synthetic --input-len request's prompt as served (the load's own prompts: tether/loadtest/workloads.py):
+    its tokens, and those every prompt shares (`chat_prompt_tokens`)."""
     spec = SyntheticSpec(input_len, 1, 0.0)
     prompts = [r.prompt for r in Workload({"synthetic": 1.0}, load_model_tokenizer(folder).encode, spec)
                .take(samples, "arithmetic-ceiling")]
@@ -141,9 +156,10 @@ def synthetic_prompt_tokens(folder: str | Path, input_len: int, samples: int = 8
 
 
 def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_len: int, linear_inputs: str,
-            model_name: str = "smollm2", repeats: int = 3) -> list[Round]:
+            model_name: str = "smollm2", repeats: int = 3, cached: int = 0) -> list[Round]:
     """Each concurrency's round on this machine (the whole model in this process, `threads` threads), for
-    prompts of `prompt_tokens` tokens as served (`synthetic_prompt_tokens`)."""
+    prompts of `prompt_tokens` tokens as served, the first `cached` from the prefix cache
+    (`synthetic_prompt_tokens`)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -154,13 +170,13 @@ def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_l
         prefills: dict[int, float] = {}
         rounds = []
         for c in concurrencies:
-            k = prompts_per_call(c, prompt_tokens)
+            k = prompts_per_call(c, prompt_tokens - cached)
             if k not in prefills:
-                prefills[k] = prefill_ms(model, prompt_tokens, threads, k)
+                prefills[k] = prefill_ms(model, prompt_tokens, threads, k, cached=cached)
             runs = [decode_ms(model, c, threads, context, 6, head=True) for _ in range(repeats)]
             rounds.append(Round(c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                                 prefills[k], prompt_tokens, model_gflop(cfg, c, context, head_rows=c),
-                                model_gflop(cfg, prompt_tokens, 0, causal=True)))
+                                model_gflop(cfg, prompt_tokens - cached, cached, causal=True), cached))
         return rounds
     finally:
         torch.set_num_threads(before)
@@ -184,13 +200,15 @@ def main() -> None:
                    help="what the linears multiply, as the stages' --linear-inputs (default: %(default)s)")
     args = p.parse_args()
     peak = fma_rate(args.threads, kernels_wide())
-    prompt = synthetic_prompt_tokens(resolve_model("smollm2"), args.input_len)
-    print(f"a prompt as served: {prompt} tokens ({args.input_len} of text in the chat template)")
+    prompt, cached = synthetic_prompt_tokens(resolve_model("smollm2"), args.input_len)
+    print(f"a prompt as served: {prompt} tokens ({args.input_len} of text in the chat template), the first {cached} "
+          "from the prefix cache")
     for r in measure([int(c) for c in args.concurrency.split(",")], args.threads, prompt, args.output_len,
-                     args.linear_inputs):
+                     args.linear_inputs, cached=cached):
         print(f"{r.concurrency:3d} streams: decode {r.decode_ms:6.2f} ms + head {r.head_ms:5.2f} + "
               f"{r.concurrency}/{args.output_len} x prefill {r.prefill_ms:6.1f} "
-              f"({prompts_per_call(r.concurrency, prompt)} a call) -> at most {r.tok_s(args.output_len):6.1f} tok/s; "
+              f"({prompts_per_call(r.concurrency, prompt - cached)} a call) -> at most "
+              f"{r.tok_s(args.output_len):6.1f} tok/s; "
               + rates_text(r, peak))
 
 

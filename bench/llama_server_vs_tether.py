@@ -241,15 +241,16 @@ def main() -> None:
     if "synthetic" in workloads and not args.no_ceiling:
         print("timing the arithmetic ceiling (the whole model in this process) ...", file=sys.stderr, flush=True)
         # the synthetic requests' prompts as tether's admission renders them (the chat template's tokens too)
-        prompt = arithmetic_ceiling.chat_prompt_tokens(smollm2.ensure(), [
+        prompt, cached = arithmetic_ceiling.chat_prompt_tokens(smollm2.ensure(), [
             r.prompt for r in Workload(mix["synthetic"], tok.encode, spec).take(8, "ceiling")])
         ceilings = {r.concurrency: r for r in arithmetic_ceiling.measure(
-            concurrencies, threads, prompt, args.output_len, args.linear_inputs)}
+            concurrencies, threads, prompt, args.output_len, args.linear_inputs, cached=cached)}
         peak = arithmetic_ceiling.fma_rate(threads, arithmetic_ceiling.kernels_wide())
         meta["fma_rate_gflops"] = peak
         meta["ceiling"] = {c: dict(decode_ms=r.decode_ms, head_ms=r.head_ms, prefill_ms=r.prefill_ms,
-                                   prompt_tokens=r.prompt_tokens,
-                                   prompts_per_call=arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens),
+                                   prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                                   prompts_per_call=arithmetic_ceiling.prompts_per_call(
+                                       c, r.prompt_tokens - r.cached_tokens),
                                    decode_gflops=r.rates()[0], prefill_gflops=r.rates()[1],
                                    tok_s=r.tok_s(args.output_len)) for c, r in ceilings.items()}
     results: list[dict] = []
@@ -318,9 +319,10 @@ def main() -> None:
     if ceilings:
         print("arithmetic ceiling: " + "; ".join(
             f"{c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{args.output_len} x prefill "
-            f"{r.prefill_ms:.1f} ({arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens)} a call)"
+            f"{r.prefill_ms:.1f} ({arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens - r.cached_tokens)} a call)"
             for c, r in ceilings.items()) + f"; a prompt of {next(iter(ceilings.values())).prompt_tokens} tokens as "
-            "served (bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
+            f"served, the first {next(iter(ceilings.values())).cached_tokens} from the prefix cache "
+            "(bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
         peak = meta.get("fma_rate_gflops")
         print("the arithmetic's rate: " + "; ".join(
             f"{c} streams: {arithmetic_ceiling.rates_text(r, peak)}" for c, r in ceilings.items())

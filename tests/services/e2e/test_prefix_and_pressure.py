@@ -2,6 +2,7 @@
 
 - Requests sharing a long prefix are answered exactly while the stages serve that prefix from their cache
   (counted by the coordinator and by every stage); a cached prefix of one tenant never serves another.
+- Requests sharing a prefix shorter than a block are answered exactly from a copy of its positions.
 - A workload whose total context is ~3x every stage's KV pool completes exactly, through preemptions, with
   zero NO_CAPACITY rejections and zero client errors; cached blocks are evicted to make room.
 """
@@ -57,6 +58,21 @@ def test_shared_prefixes_are_served_from_the_cache_exactly_and_never_across_tena
     after = coordinator_stats(cluster)
     assert after.prefix_hits == before.prefix_hits and after.prefix_queries == before.prefix_queries + 1
     assert [s.prefix_hits for s in stage_stats(cluster)] == [s.prefix_hits for s in stages_before]
+
+
+def test_a_prefix_shorter_than_a_block_is_copied_from_the_cache_exactly(cluster):
+    short = "Answer in one line. "                               # ~20 positions: part of one block
+    prompts = [short + q * 3 for q in QUESTIONS[:4]]              # each past a block: its first block is cached
+    before, stages_before = coordinator_stats(cluster), stage_stats(cluster)
+    got = asyncio.run(_generate(cluster.target, prompts, 4, tenant="initech", concurrent=False))
+    assert got == [exact_ids(p, 4) for p in prompts]
+    after = coordinator_stats(cluster)
+    hits, hit_tokens = after.prefix_hits - before.prefix_hits, after.prefix_hit_tokens - before.prefix_hit_tokens
+    assert hits == 3 and len(short) * hits <= hit_tokens < 64 * hits   # parts of blocks only
+    assert after.prefix_misses == before.prefix_misses
+    for b, a in zip(stages_before, stage_stats(cluster)):
+        assert a.prefix_hits - b.prefix_hits == hits and a.prefix_hit_tokens - b.prefix_hit_tokens == hit_tokens
+        assert a.rejections.get("PREFIX_MISS", 0) == 0
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ built or started here."""
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -148,9 +150,15 @@ def test_the_ceiling_counts_a_prompt_as_admission_renders_it():
     from tether.model.loader import resolve_model
     lm = reference.load("tiny")
     prompts = ["one two", "a longer prompt of several more words than that", "three words here"]
-    served = sorted(len(reference.render_chat(lm, [("user", p)])[1]) for p in prompts)
+    rendered = [reference.render_chat(lm, [("user", p)])[1] for p in prompts]
+    served = sorted(len(ids) for ids in rendered)
     assert served[1] > len(lm.tokenizer.encode(prompts[2]))       # the chat template's tokens count too
-    assert arithmetic_ceiling.chat_prompt_tokens(resolve_model("tiny"), prompts) == served[1]   # the median
+    tokens, shared = arithmetic_ceiling.chat_prompt_tokens(resolve_model("tiny"), prompts)
+    assert tokens == served[1]                                    # the median
+    # every prompt starts with the template's tokens up to its text: the prefix cache serves those
+    assert 0 < shared == len(os.path.commonprefix(rendered)) < served[0]
+    one = arithmetic_ceiling.chat_prompt_tokens(resolve_model("tiny"), prompts[:1])
+    assert one == (len(rendered[0]), len(rendered[0]) - 1)        # one prompt alone: all but its last token
 
 
 def test_the_ceiling_counts_the_multiply_adds_of_a_round_and_of_a_prompt():
@@ -162,5 +170,7 @@ def test_the_ceiling_counts_the_multiply_adds_of_a_round_and_of_a_prompt():
     assert arithmetic_ceiling.model_gflop(cfg, 1, 3, head_rows=1) == pytest.approx(2 * (2 * (144 + 24) + 40) / 1e9)
     # a 3-token prompt attends over 1 + 2 + 3 positions; its head is not counted
     assert arithmetic_ceiling.model_gflop(cfg, 3, 0, causal=True) == pytest.approx(2 * 2 * (3 * 144 + 48) / 1e9)
+    # ... and after 5 cached positions over 6 + 7 + 8
+    assert arithmetic_ceiling.model_gflop(cfg, 3, 5, causal=True) == pytest.approx(2 * 2 * (3 * 144 + 8 * 21) / 1e9)
     r = arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0, 94, decode_gflop=2.5, prefill_gflop=16.0)
     assert r.rates() == pytest.approx((100.0, 200.0))
