@@ -136,7 +136,8 @@ class BlockLedger:
                     prev = self.pool.entry(twin) if twin is not None else None
                     if prev is None:
                         continue             # no registered block before it: the stages do not cache it either
-            self.pool.register(b, (seed, block_ends[i]), _serial(prev), inner_keys(seed, ids, i, self.block))
+            if self.pool.lookup((seed, block_ends[i])) is None:    # else a twin holds the key: b stays private
+                self.pool.register(b, (seed, block_ends[i]), _serial(prev), inner_keys(seed, ids, i, self.block))
 
     def rebuild(self, rid: str) -> None:
         """`rid` will be replayed from position 0 under a new epoch: the stages keep its old blocks until the

@@ -481,9 +481,12 @@ class StageState:
                     prev = pool.entry(twin) if twin is not None else None
                     if prev is None or prev.info.tokens != tuple(state.tokens[(i - 1) * block:i * block]):
                         continue
+            key = (state.hasher.seed, value)
+            if pool.lookup(key) is not None:
+                continue                       # a twin holds the key: this block stays private
             info = CachedBlock(state.hasher.seed, tuple(state.tokens[i * block:end]),
                                prev.serial if prev is not None else 0)
-            pool.register(b, (state.hasher.seed, value), info, inner_keys(state.hasher.seed, state.tokens, i, block))
+            pool.register(b, key, info, inner_keys(state.hasher.seed, state.tokens, i, block))
 
     def abandon(self, a: Admitted) -> None:
         """The step failed after admission: free a state that was never committed."""
