@@ -94,6 +94,7 @@ class Driver:
         self.prefix_cache = prefix_cache and stamp_checks
         self.keepalive_s = stream_idle_s / 3   # the stages close a stream idle for stream_idle_s
         self.sinks: dict[str, asyncio.Queue] = {}   # request id -> events (TokenOut | Failure)
+        self.delivered: list[tuple[asyncio.Queue, TokenOut]] = []   # tokens of the reply being settled
         self.frames = FramesInFlight()
         self.releases = ReleaseQueue()
         self.wake = asyncio.Event()
@@ -377,9 +378,17 @@ class Driver:
             by_id: dict[str, stage_pb2.SlotResult] = {}
             for res in reply.results:
                 by_id.setdefault(res.stamp.request_id, res)   # a duplicate result never overrides the first
-            for req in batch:
-                self._settle(req, by_id.get(req.id))
-            self.wake.set()
+            try:
+                for req in batch:
+                    self._settle(req, by_id.get(req.id))
+            finally:
+                # The feed loop first, then the tokens' delivery: the loop wakes in the order things were
+                # scheduled, and the next frame is the critical path (the stages wait for it), where the tokens'
+                # way to the callers (the Session writer, admission, the client) can run beside the next step.
+                self.wake.set()
+                delivered, self.delivered = self.delivered, []
+                for q, out in delivered:
+                    q.put_nowait(out)
 
     def _settle(self, req: Request, res: stage_pb2.SlotResult | None) -> None:
         """Apply one slot's result: append the token only if the echo is exactly what was sent."""
@@ -403,7 +412,7 @@ class Driver:
         self.counters.tokens += 1
         q = self.sinks.get(req.id)
         if q is not None:
-            q.put_nowait(out)
+            self.delivered.append((q, out))   # put once the feed loop is woken (`_receive`)
         if self.traces:
             spans = self.traces.get(req.id)
             if spans is not None:
