@@ -92,6 +92,24 @@ def test_match_stops_at_the_first_unconfirmed_block():
     assert p.match([0, 9, 2]) == blocks[:1]
 
 
+def test_inner_keys_find_the_longest_start_and_leave_with_their_block():
+    p = BlockPool(3)
+    a, b = p.allocate(1), p.allocate(1)
+    p.register(a[0], "a", inner=[11, 12, 13])
+    p.register(b[0], "b", inner=[11, 22])              # 11 is a's already: b answers 22 only
+    assert p.entry(b[0]).inner == (22,)
+    assert p.match_inner([11, 12, 99]) == (a[0], 2)    # the last value some block answers
+    assert p.match_inner([11, 22]) == (b[0], 2)
+    assert p.match_inner([11, 12], confirm=lambda bl, e, n: n < 2) == (a[0], 1)   # a refused start: a shorter one
+    assert p.match_inner([98, 99]) is None
+    p.release(a)
+    p.release(b)
+    p.allocate(2)                                      # one fresh, then a evicted (least recently used)
+    assert p.match_inner([11, 12]) is None and 12 not in p.inner and p.inner == {22: b[0]}
+    p.drop_cache()
+    assert p.inner == {}
+
+
 # --- admission and growth ----------------------------------------------------------------------------------------
 
 def test_a_request_is_admitted_only_when_its_whole_context_fits():
