@@ -11,7 +11,7 @@ cannot confirm is refused (PREFIX_MISS) and replayed cold, never trusted.
 
 from __future__ import annotations
 
-from tether.kv.blocks import NO_HIT, BlockPool, PrefixHit, block_keys, inner_keys
+from tether.kv.blocks import NO_HIT, BlockPool, PrefixHit, block_keys, inner_keys, parent_serial
 from tether.mathutil import ceil_div
 from tether.protocol.hashing import ContextHasher
 
@@ -96,11 +96,11 @@ class BlockLedger:
             return NO_HIT
         block = self.block
         keys = block_keys(seed, ids[:(len(ids) - 1) // block * block], block)
-        found = self.pool.match(keys, lambda i, b, entry, prev: entry.info == _serial(prev))
+        found = self.pool.match(keys, lambda i, b, entry, prev: entry.info == parent_serial(prev))
         start = len(found) * block
         hasher = ContextHasher(seed)
         hasher.extend(ids[:start])
-        parent = _serial(self.pool.entry(found[-1]) if found else None)
+        parent = parent_serial(self.pool.entry(found[-1]) if found else None)
         part = self.pool.match_inner(hasher.extend_each(ids[start:min(start + block, len(ids)) - 1]),
                                      lambda b, entry, n: entry.info == parent)
         return PrefixHit(found, *part) if part else PrefixHit(found)
@@ -137,7 +137,7 @@ class BlockLedger:
                     if prev is None:
                         continue             # no registered block before it: the stages do not cache it either
             if self.pool.lookup((seed, block_ends[i])) is None:    # else a twin holds the key: b stays private
-                self.pool.register(b, (seed, block_ends[i]), _serial(prev), inner_keys(seed, ids, i, self.block))
+                self.pool.register(b, (seed, block_ends[i]), parent_serial(prev), inner_keys(seed, ids, i, self.block))
 
     def rebuild(self, rid: str) -> None:
         """`rid` will be replayed from position 0 under a new epoch: the stages keep its old blocks until the
@@ -167,7 +167,3 @@ class BlockLedger:
     def cached(self) -> int:
         return len(self.pool.evictable)
 
-
-def _serial(entry) -> int:
-    """A registration's serial as its child records it (0: none, the context's first block)."""
-    return entry.serial if entry is not None else 0

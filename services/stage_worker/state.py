@@ -22,7 +22,8 @@ from functools import cached_property
 
 import torch
 
-from tether.kv.blocks import NO_HIT, BlockPool, NoCapacity, PrefixHit, block_keys, extend_by_blocks, inner_keys
+from tether.kv.blocks import (NO_HIT, BlockPool, NoCapacity, PrefixHit, block_keys, extend_by_blocks, inner_keys,
+                              parent_serial)
 from tether.kv.paged import PagedKV
 from tether.protocol import tensors
 from tether.protocol.hashing import ContextHasher, context_hash, sampling_digest
@@ -409,22 +410,22 @@ class StageState:
             raise Rejected(RejectReason.PREFIX_MISS, "this stage keeps no prefix cache")
         n, part = divmod(cached, block)
 
-        def confirm(i: int, b: int, entry, prev) -> bool:
-            info: CachedBlock = entry.info
-            return (info is not None and info.seed == seed and info.tokens == tuple(ids[i * block:(i + 1) * block])
-                    and info.parent == (prev.serial if prev is not None else 0))
+        def serves(info: CachedBlock | None, parent: int, start: int, end: int) -> bool:
+            """Never the key alone: the block's seed, its parent registration and its first end - start token
+            ids must be the slot's."""
+            return (info is not None and info.seed == seed and info.parent == parent
+                    and info.tokens[:end - start] == tuple(ids[start:end]))
 
-        found = pool.match(block_keys(seed, ids[:n * block], block), confirm)
+        found = pool.match(block_keys(seed, ids[:n * block], block),
+                           lambda i, b, entry, prev: serves(entry.info, parent_serial(prev), i * block, (i + 1) * block))
         source = None
         if len(found) == n and part:
-            parent = pool.entries[found[-1]].serial if found else 0
             b = pool.inner.get(context_hash(seed, ids[:cached]))
-            info = pool.entries[b].info if b is not None else None
-            if (info is not None and info.seed == seed and info.parent == parent
-                    and info.tokens[:part] == tuple(ids[n * block:cached])):
+            if b is not None and serves(pool.entries[b].info, parent_serial(pool.entry(found[-1]) if found else None),
+                                        n * block, cached):
                 source = b
-        whole = len(found) == n and (source is not None or not part)
-        pool.count_query(n, len(found), cached if whole else 0)
+        confirmed = len(found) == n and (source is not None or not part)   # every position claimed
+        pool.count_query(n, len(found), cached if confirmed else 0)
         if len(found) < n:
             raise Rejected(RejectReason.PREFIX_MISS, f"{len(found)} of the {n} prefix blocks asked for are cached here")
         if part and source is None:
@@ -484,8 +485,7 @@ class StageState:
             key = (state.hasher.seed, value)
             if pool.lookup(key) is not None:
                 continue                       # a twin holds the key: this block stays private
-            info = CachedBlock(state.hasher.seed, tuple(state.tokens[i * block:end]),
-                               prev.serial if prev is not None else 0)
+            info = CachedBlock(state.hasher.seed, tuple(state.tokens[i * block:end]), parent_serial(prev))
             pool.register(b, key, info, inner_keys(state.hasher.seed, state.tokens, i, block))
 
     def abandon(self, a: Admitted) -> None:

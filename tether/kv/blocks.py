@@ -68,6 +68,12 @@ class Cached:
     inner: tuple[int, ...] = ()   # the inner keys this block answers (one block per key: the first registered)
 
 
+def parent_serial(entry: Cached | None) -> int:
+    """The serial a block's registration names as its parent: the registration before it, 0 for none (the
+    context's first block)."""
+    return entry.serial if entry is not None else 0
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """Where a new context's first positions are cached: whole blocks to share, then possibly the first
