@@ -48,7 +48,7 @@ import grpc  # noqa: E402
 from bench import arithmetic_ceiling, llama_server  # noqa: E402
 from tether import settings  # noqa: E402
 from tether.client import TetherError  # noqa: E402
-from tether.loadtest import loadgen, stats  # noqa: E402
+from tether.loadtest import cluster_stats, loadgen, stats  # noqa: E402
 from tether.loadtest.openai_stream import AsyncOpenAIClient, StreamBase, tether_error  # noqa: E402
 from tether.loadtest.workloads import BenchRequest, SyntheticSpec, Workload  # noqa: E402
 from tether.model import dtypes  # noqa: E402
@@ -170,6 +170,17 @@ def tether_kernels(stage_threads: int) -> str:
     return done.stdout.strip() or f"(unknown: {done.stderr.strip()[-300:]})"
 
 
+def median_step(steps: list[dict | None]) -> dict | None:
+    """Each figure of `cluster_stats.served_step` the median over the runs that read one (None if none did)."""
+    read = [s for s in steps if s]
+    if not read:
+        return None
+    return dict(step_ms=statistics.median(s["step_ms"] for s in read),
+                busy_ms=[statistics.median(s["busy_ms"][i] for s in read) for i in range(len(read[0]["busy_ms"]))],
+                sampling_ms=statistics.median(s["sampling_ms"] for s in read),
+                rest_ms=statistics.median(s["rest_ms"] for s in read))
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -265,6 +276,9 @@ def main() -> None:
             cluster.start(timeout=600)
             tether_url = cluster.base_url
             assert tether_url, "the cluster serves no HTTP API"
+            # the stages' Stats around each tether run: where its served step's time went (busy, sampling, between)
+            probe = cluster_stats.EngineProbe(cluster.service("coordinator").address,
+                                              [cluster.service(f"stage{i}").address for i in range(args.stages)])
             meta["tether_kernels"] = tether_kernels(stage_threads) + \
                 (f"; linear inputs {args.linear_inputs}" if inputs else "")
             print(f"tether kernels: {meta['tether_kernels']}", flush=True)
@@ -286,7 +300,11 @@ def main() -> None:
                             requests = wl.take(n, f"{args.seed}:{workload}:{r}")
                             order = ["tether", "llama-server"] if r % 2 == 0 else ["llama-server", "tether"]
                             for side in order:
+                                if side == "tether":
+                                    probe.before()
                                 s = summary(asyncio.run(run_level(urls[side], side, requests, conc)))
+                                if side == "tether":
+                                    s["step"] = (probe.after()["engine"] or {}).get("step")
                                 runs[side].append(s)
                                 print(f"  {workload} c={conc} #{r + 1} {side:12s} {s['tok_s']:7.1f} tok/s "
                                       f"({s['output_tokens']} out / {s['prompt_tokens']} prompt tokens, {s['completed']}/{n} done, "
@@ -297,7 +315,7 @@ def main() -> None:
                     row = dict(workload=workload, concurrency=conc, requests=n, repeats=args.repeats,
                                tether_tok_s=med["tether"], llama_server_tok_s=med["llama-server"],
                                ratio=med["tether"] / med["llama-server"] if med["llama-server"] else None,
-                               runs=runs)
+                               step=median_step([x.get("step") for x in runs["tether"]]), runs=runs)
                     results.append(row)
                     print(f"{workload} c={conc}: median tether {med['tether']:.1f} tok/s, llama-server "
                           f"{med['llama-server']:.1f} tok/s, tether/llama-server {fmt(row['ratio'], 3)}",
@@ -316,6 +334,9 @@ def main() -> None:
               f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} | "
               + (f"{top:.1f} ({top / row['llama_server_tok_s']:.2f}×)" if top and row["llama_server_tok_s"] else "–")
               + " |")
+    print("tether's served step (the stages' Stats over each run, medians): " + "; ".join(
+        f"{row['workload']} at {row['concurrency']} streams: {cluster_stats.served_step_text(row['step'])}"
+        for row in results) + " (the rest: the hops between the processes and the coordinator's turn)")
     if ceilings:
         print("arithmetic ceiling: " + "; ".join(
             f"{c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{args.output_len} x prefill "

@@ -284,7 +284,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 kv_used_tokens=w.kv_used_tokens(), kv_capacity_tokens=w.kv_capacity_tokens,
                 stamp_checks=w.state.stamp_checks, forward_streams=streams, refusals=dict(w.refusals),
                 replies_queued=queued, busy_seconds=w.busy_seconds, uptime_seconds=time.monotonic() - w.started,
-                steps=w.steps)
+                steps=w.steps, sampling_seconds=w.sampling_seconds)
             pool = w.arena.pool
             stats.prefix_queries, stats.prefix_hits = pool.counters.queries, pool.counters.hits
             stats.prefix_hit_tokens = pool.counters.hit_tokens

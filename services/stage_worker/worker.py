@@ -87,6 +87,7 @@ class StageWorker:
         self.state = state(self._new_kv, model.cfg.max_position_embeddings, self.arena.pool, self.block_tokens)
         self.started = time.monotonic()
         self.busy_seconds = 0.0                     # wall time in steps that ran slots
+        self.sampling_seconds = 0.0                 # of it, drawing tokens from the logits (the last stage)
         self.steps = 0
         self.rejections: Counter[str] = Counter()   # RejectReason name -> slots rejected here
         self.refusals: Counter[str] = Counter()     # limit name -> frames refused by it
@@ -225,7 +226,10 @@ class StageWorker:
         if ends:
             last = h if len(ends) == h.shape[0] else h.index_select(0, torch.tensor(ends))   # decode: every row
             # alone (`wide`), the other stages' cores are idle: the rows' draws take as many threads
-            tokens = sampler.sample_rows(self.model.logits(last, wide), params, positions, threads=max(wide, 1))
+            logits = self.model.logits(last, wide)
+            t0 = time.perf_counter()
+            tokens = sampler.sample_rows(logits, params, positions, threads=max(wide, 1))
+            self.sampling_seconds += time.perf_counter() - t0
         results, k = [], 0
         for slot, a, _ in admitted:
             res = stage_pb2.SlotResult(stamp=echo(slot.stamp), ok=True, stage_index=self.index)

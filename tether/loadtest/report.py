@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from tether.loadtest.cluster_stats import served_step_text
 from tether.loadtest.records import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -228,6 +229,8 @@ def _engine_level_md(lv: dict) -> list[str]:
                             fmt(s["prefix_evictions"]), _counts(s["rejections"]), _blocks(s),
                             f"{fmt(s['kv_used_tokens_end'])}/{fmt(s['kv_capacity_tokens_end'])}"] for s in stages])
             out += [""]
+            if e.get("step"):
+                out += [f"Served step: {served_step_text(e['step'])} (hops, the coordinator's turn).", ""]
         if e.get("errors"):
             out += ["Stats not read: " + "; ".join(e["errors"]), ""]
     if cpu is not None:

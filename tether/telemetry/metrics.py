@@ -216,6 +216,8 @@ class StageCollector(_StatsCollector):
         yield _counter("stage_prefix_cache_evictions", "Cached blocks evicted to make room", s.prefix_evictions)
         yield _counter("stage_busy_seconds", "Wall time spent in steps (rate() of it is the busy fraction)",
                        s.busy_seconds)
+        yield _counter("stage_sampling_seconds", "Of the busy time, drawing tokens from the logits (last stage)",
+                       s.sampling_seconds)
         yield _counter("stage_steps", "Frames with at least one slot processed", s.steps)
         yield _labelled("stage_rejections", "Slots this stage rejected, by RejectReason", "reason",
                         dict(s.rejections))

@@ -207,8 +207,12 @@ def test_chunked_prefill_without_sampling(lm, pipe):
     r = Req("r1", list(prompt), params)
     res = pipe.run(frame(r.slot(upto=10, sample=False)))
     assert len(res) == 1 and res[0].ok and not res[0].has_token and res[0].stage_index == 1
+    assert pipe.w1.steps == 1 and pipe.w1.busy_seconds > 0 and pipe.w1.sampling_seconds == 0   # nothing drawn
     r.fed = 10
     assert [step(pipe, [r])["r1"], step(pipe, [r])["r1"]] == want
+    # Stats' split of a step: the draws are part of the last stage's busy time; the first stage draws nothing
+    assert 0 < pipe.w1.sampling_seconds < pipe.w1.busy_seconds and pipe.w1.steps == 3
+    assert pipe.w0.sampling_seconds == 0 and pipe.w0.steps == 3
 
 
 # --- frame-level rejections -------------------------------------------------------------------------------------

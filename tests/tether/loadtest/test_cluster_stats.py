@@ -86,6 +86,25 @@ def test_engine_delta_differences_counters_keeps_gauges_and_computes_ratios():
     assert (s["kv_blocks_used_end"], s["kv_blocks_cached_end"], s["kv_blocks_total_end"]) == (3, 5, 10)
 
 
+def test_a_served_step_is_split_into_each_stages_busy_time_and_the_rest():
+    # 100 steps over 4 s: 40 ms a step; stage 0 busy 1.5 s (15 ms a step), stage 1 2.0 s (20 ms, 3 of it sampling)
+    before = [stage(busy_seconds=1.0, steps=10), stage(busy_seconds=2.0, steps=10, sampling_seconds=0.5)]
+    after = [stage(busy_seconds=2.5, steps=110), stage(busy_seconds=4.0, steps=110, sampling_seconds=0.8)]
+    stages = [cluster_stats.stage_delta(b, a) for b, a in zip(before, after)]
+    step = cluster_stats.served_step(4.0, stages)
+    assert step is not None
+    assert step["step_ms"] == pytest.approx(40.0) and step["busy_ms"] == pytest.approx([15.0, 20.0])
+    assert step["sampling_ms"] == pytest.approx(3.0) and step["rest_ms"] == pytest.approx(5.0)
+    assert cluster_stats.served_step_text(step) == \
+        "40.0 ms a step: stage 0 15.0 + stage 1 20.0 (sampling 3.0) + 5.0 outside the stages"
+    # two micro-batches in flight: the stages overlap, so the rest reads negative rather than being hidden
+    assert cluster_stats.served_step(2.0, stages)["rest_ms"] == pytest.approx(-15.0)
+    # a stage not read, or one that ran no step: no split at all
+    assert cluster_stats.served_step(4.0, [stages[0], None]) is None
+    assert cluster_stats.served_step(4.0, [stages[0], cluster_stats.stage_delta(stage(), stage())]) is None
+    assert cluster_stats.served_step(4.0, []) is None and cluster_stats.served_step_text(None) == "–"
+
+
 def test_fields_reading_zero_give_unknown_ratios_not_zero():
     zero = dict(coordinator=coordinator(), stages=[stage()], errors=[])
     d = cluster_stats.engine_delta(zero, zero)

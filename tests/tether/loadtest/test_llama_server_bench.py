@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import arithmetic_ceiling, llama_server
-from bench.llama_server_vs_tether import chat_body
+from bench.llama_server_vs_tether import chat_body, median_step
 
 AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
 
@@ -174,3 +174,11 @@ def test_the_ceiling_counts_the_multiply_adds_of_a_round_and_of_a_prompt():
     assert arithmetic_ceiling.model_gflop(cfg, 3, 5, causal=True) == pytest.approx(2 * 2 * (3 * 144 + 8 * 21) / 1e9)
     r = arithmetic_ceiling.Round(8, 20.0, 5.0, 80.0, 94, decode_gflop=2.5, prefill_gflop=16.0)
     assert r.rates() == pytest.approx((100.0, 200.0))
+
+
+def test_the_report_takes_each_part_of_tethers_served_step_as_its_median_over_the_runs():
+    runs = [dict(step_ms=40.0, busy_ms=[15.0, 20.0], sampling_ms=3.0, rest_ms=5.0), None,
+            dict(step_ms=44.0, busy_ms=[16.0, 21.0], sampling_ms=2.0, rest_ms=7.0),
+            dict(step_ms=50.0, busy_ms=[14.0, 25.0], sampling_ms=4.0, rest_ms=11.0)]
+    assert median_step(runs) == dict(step_ms=44.0, busy_ms=[15.0, 21.0], sampling_ms=3.0, rest_ms=7.0)
+    assert median_step([None, None]) is None and median_step([]) is None
