@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from services.stage_worker.server import StageServicer, step_thread
+from services.stage_worker.server import StageServicer, step_executor
 from services.stage_worker.worker import FrameLimits, StageWorker
 from tether import grpcutil, service_main, settings, supervise
 from tether.faults import FaultInjector, add_experiment_flags
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_worker(args: argparse.Namespace, folder, start: int, end: int) -> StageWorker:
-    """The slice (its start-up probe included) and its worker, made on the step thread (`step_thread`)."""
+    """The slice (its start-up probe included) and its worker, made where its steps will run (`step_executor`)."""
     threads = args.threads or torch.get_num_threads()
     alone = args.alone_threads or len(os.sched_getaffinity(0))
     # Load (and probe) on every thread count a step may take: the rule's thread cap is found up to torch's
@@ -131,7 +131,7 @@ async def serve(args: argparse.Namespace) -> None:
     bound = {"--port": server.port}
     service_main.report_ports(args, bound, ready=False)
     address = f"{args.host}:{server.port}"
-    executor = step_thread()
+    executor = step_executor(last=end == cfg.num_hidden_layers)   # the last stage: steps on the loop's thread
     worker = await asyncio.get_running_loop().run_in_executor(executor, load_worker, args, folder, start, end)
     refusals.append(worker.refusals)
     model = worker.model
