@@ -64,7 +64,7 @@ def step_executor(last: bool) -> Executor:
     relay, so a step blocks nothing that could go on meanwhile, and each step saves two thread handoffs (~0.3 ms
     each on a 2-core VM, where the woken thread's core has gone idle: 1-4% of tok/s, docs/PERFORMANCE.md). Any
     other stage keeps a step thread: its loop relays the next stage's replies while a step runs (with two
-    micro-batches in flight they arrive mid-step). Load the model with the same executor (`step_thread`)."""
+    micro-batches in flight they arrive mid-step). Load the model with the same executor (`step_thread` says why)."""
     return InlineExecutor() if last else step_thread()
 
 
