@@ -161,22 +161,14 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
     """`filtered_probs` of every row of `logits` [rows, vocab] with its own parameters (every temperature > 0),
     bit for bit, as the entries each row keeps: (indices, float64 probabilities), or (None, the whole row) where
     nothing is filtered. Temperature and softmax over all rows at once, the rest only where an entry can be kept:
-    - top-k's k-th largest value from one `topk` of the float32 logits (x = logits / T does not decrease as the
-      logit grows, so the k-th largest x is x at the k-th largest logit), the survivors those at or above it;
+    - top-k's k-th largest value: x at the k-th largest logit (x = logits / T does not decrease as the logit
+      grows, so that is the k-th largest x), the survivors those at or above it (`_tempered`);
     - top-p by `nucleus_kept` (a whole row in C where the kernels are built; in torch its first floor the
       probability at the NUCLEUS_FIRST-th largest logit: any floor is exact), a top-k row's survivors sorted alone;
     - top-p's renormalising sum over the whole row with the dropped entries zero, as `filtered_probs` takes it
       (the same reduction of the same floats), each kept entry divided by it (a division rounds per entry)."""
     vocab = logits.shape[-1]
-    x = logits.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
-    within: dict[int, torch.Tensor] = {}
-    cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
-    if cut:
-        at = torch.topk(logits[cut], max(params[r].top_k for r in cut), dim=-1).indices
-        for i, r in enumerate(cut):
-            drop = x[r] < x[r, at[i, params[r].top_k - 1]]
-            x[r].masked_fill_(drop, float("-inf"))
-            within[r] = torch.nonzero(~drop).flatten()
+    x, within = _tempered(logits, params)
     probs = torch.softmax(x, dim=-1)
     nucleus = [r for r, p in enumerate(params) if 0 < p.top_p < 1]
     wide = [r for r in nucleus if r not in within]
@@ -198,6 +190,36 @@ def _kept_rows(logits: torch.Tensor, params: list[common_pb2.SamplingParams]) ->
         else:
             out.append((None, probs[r]))
     return out
+
+
+def _tempered(logits: torch.Tensor,
+              params: list[common_pb2.SamplingParams]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """x = logits / T in float64 for every row [rows, vocab], each top-k row's entries below its k-th largest
+    x set to -inf, and those rows' survivors (ascending indices). In C where the kernels are built
+    (tether/model/kernels/topk.c: two passes a row, into one buffer), else torch's topk, comparison, fill and
+    nonzero; the same doubles either way (a cast and an IEEE division; only comparisons besides)."""
+    vocab = logits.shape[-1]
+    within: dict[int, torch.Tensor] = {}
+    lib = _kernels()
+    if lib is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        x = torch.empty(logits.shape, dtype=torch.float64)
+        for r, p in enumerate(params):
+            k = p.top_k if 0 < p.top_k < vocab else 0
+            kept = torch.empty(vocab if k else 0, dtype=torch.int64)
+            n = lib.temper_top_k(logits[r].data_ptr(), vocab, p.temperature, k, x[r].data_ptr(),
+                                 kept.data_ptr() if k else None)
+            if k:
+                within[r] = kept[:n]
+        return x, within
+    x = logits.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
+    if cut:
+        at = torch.topk(logits[cut], max(params[r].top_k for r in cut), dim=-1).indices
+        for i, r in enumerate(cut):
+            drop = x[r] < x[r, at[i, params[r].top_k - 1]]
+            x[r].masked_fill_(drop, float("-inf"))
+            within[r] = torch.nonzero(~drop).flatten()
+    return x, within
 
 
 @one_thread()

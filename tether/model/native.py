@@ -1,6 +1,6 @@
-"""Our C kernels (tether/model/kernels/*.c: rowdot, rowquant, rowq8, rowattn, rowlayer; nucleus and argmax for sampling),
-compiled on the machine that serves, once per source and flags, into the tether home, with the C compiler the
-machine has (`$CC`, `cc` or `gcc`), and loaded once per process. They need AVX2, FMA and F16C; where they cannot
+"""Our C kernels (tether/model/kernels/*.c: rowdot, rowquant, rowq8, rowattn, rowlayer; nucleus, argmax and topk for
+sampling), compiled on the machine that serves, once per source and flags, into the tether home, with the C compiler
+the machine has (`$CC`, `cc` or `gcc`), and loaded once per process. They need AVX2, FMA and F16C; where they cannot
 be built (another CPU, no compiler, a failed build) `available()` says why, and the numerics probe, which decides
 what serves, chooses other kernels (and sampling its torch path).
 TETHER_NATIVE_KERNELS=0 turns them off (a side-by-side measurement, or a machine where they misbehave).
@@ -27,7 +27,8 @@ from tether.model.presets import tether_home
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (KERNELS / "rowdot.c", KERNELS / "rowdot512.c", KERNELS / "rowquant.c", KERNELS / "rowq8.c",
-           KERNELS / "rowattn.c", KERNELS / "rowlayer.c", KERNELS / "nucleus.c", KERNELS / "argmax.c")
+           KERNELS / "rowattn.c", KERNELS / "rowlayer.c", KERNELS / "nucleus.c", KERNELS / "argmax.c",
+           KERNELS / "topk.c")
 HEADERS = (KERNELS / "vecmath.h", KERNELS / "rows.h")   # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 NEEDS = frozenset({"avx2", "fma", "f16c"})   # /proc/cpuinfo flags the built code runs on
@@ -105,6 +106,8 @@ def library() -> ctypes.CDLL:
     lib.nucleus_keep.restype = i64
     lib.rows_argmax.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.rows_argmax.restype = None
+    lib.temper_top_k.argtypes = [ptr, i64, ctypes.c_double, i64, ptr, ptr]
+    lib.temper_top_k.restype = i64
     lib.kernels_isa(0 if isa == "avx2" else 1)   # 1: AVX-512 where cpuid has it (set either way: one library a process)
     return lib
 

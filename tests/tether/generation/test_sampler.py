@@ -353,6 +353,56 @@ def test_the_c_nucleus_stays_in_bounds_on_values_no_softmax_gives():
 SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, 3.5, float("inf"), float("-inf"), float("nan")])
 
 
+def _tempered_in_torch(logits, params):
+    kernels = sampler._kernels
+    sampler._kernels = lambda: None
+    try:
+        return sampler._tempered(logits, params)
+    finally:
+        sampler._kernels = kernels
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaNs included (torch.equal calls no NaN equal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int64), b.contiguous().view(torch.int64))
+
+
+@FAST
+@given(rows=st.lists(st.tuples(st.lists(st.one_of(SPECIAL, st.floats(-40, 40, width=32)), min_size=2, max_size=60),
+                               st.sampled_from([0.05, 0.7, 1.0, 2.0]), st.integers(-1, 64)),
+                     min_size=1, max_size=4), ties=st.booleans())
+def test_the_c_temperature_and_top_k_are_torchs(rows, ties):
+    """topk.c against torch's path of `_tempered`: the same doubles (NaN, infinities, -0.0 and ties across the
+    k-th largest included: a NaN counts largest, as in torch.topk) and the same survivors, k from none to past
+    the row."""
+    needs_c_kernels()
+    n = min(len(r) for r, _, _ in rows)
+    logits = torch.tensor([r[:n] for r, _, _ in rows], dtype=torch.float32)
+    if ties:
+        logits = logits.round()
+    params = [sampling_params(temperature=t, top_k=max(k, 0), seed=1) for _, t, k in rows]
+    (x, within), (want_x, want_within) = sampler._tempered(logits, params), _tempered_in_torch(logits, params)
+    assert same_bits(x, want_x)
+    assert within.keys() == want_within.keys()
+    for r in within:
+        assert torch.equal(within[r], want_within[r]), r
+
+
+@pytest.mark.parametrize("k", [1, 40, 1000, 49151])
+def test_the_c_top_k_of_the_real_vocabulary(k):
+    """The selection's three levels of buckets on 49,152 logits: a peaked row, a flat one, and one of few values
+    (a bucket holding most of the row)."""
+    needs_c_kernels()
+    g = torch.Generator().manual_seed(k)
+    rows = torch.stack([torch.randn(49152, generator=g) * 6, torch.randn(49152, generator=g) * 0.01,
+                        torch.randint(0, 3, (49152,), generator=g).float()])
+    params = [sampling_params(temperature=0.8, top_k=k, seed=1)] * 3
+    (x, within), (want_x, want_within) = sampler._tempered(rows, params), _tempered_in_torch(rows, params)
+    assert same_bits(x, want_x)
+    for r in range(3):
+        assert torch.equal(within[r], want_within[r]) and within[r].numel() >= k
+
+
 @FAST
 @given(rows=st.lists(st.lists(st.one_of(SPECIAL, st.floats(-4, 4, width=32)), min_size=1, max_size=40),
                      min_size=1, max_size=5), pick=st.lists(st.integers(0, 4), max_size=6))
