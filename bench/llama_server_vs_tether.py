@@ -8,7 +8,8 @@ same requests and one load client, paired and alternating; medians of output tok
   prompts and decode (-t, -tb), one slot per concurrent request (-np = the concurrency), continuous batching
   (-cb), restarted per concurrency.
 - the load: tether's closed-loop load generator (tether/loadtest/loadgen.py) over one client for both
-  sides (ChatClient below: the official `openai` client streaming /v1/chat/completions), the request's own
+  sides (bench/chat_clients.py: httpx2 streaming /v1/chat/completions, or the official `openai` client with
+  --client openai, whose own CPU per chunk is twice httpx2's on the servers' cores), the request's own
   sampling on both (temperature, top_p, top_k, seed as drawn by the workload; llama.cpp's own defaults that
   tether lacks switched off: top_k 0, min_p 0, repeat_penalty 1, top_p 1 where the request has none), and
   output tokens counted by each server's own `usage` (stream_options.include_usage).
@@ -43,101 +44,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
 
-from bench import arithmetic_ceiling, llama_server  # noqa: E402
+from bench import arithmetic_ceiling, chat_clients, llama_server  # noqa: E402
 from tether import settings  # noqa: E402
-from tether.client import TetherError  # noqa: E402
 from tether.loadtest import cluster_stats, loadgen, stats  # noqa: E402
-from tether.loadtest.openai_stream import AsyncOpenAIClient, StreamBase, tether_error  # noqa: E402
 from tether.loadtest.workloads import BenchRequest, SyntheticSpec, Workload  # noqa: E402
 from tether.model import dtypes  # noqa: E402
-from tether.types import GenerateResult, Receipt  # noqa: E402
 
-NO_ID = -1   # token ids are not compared here: only counted (each server's usage)
-
-# Each side's extra request fields: tether forbids fields it does not define (extra="forbid"), and llama.cpp's
-# samplers that tether does not have are switched off on llama-server (its defaults: min_p 0.05, repeat
-# penalty 1.1; top_k is sent to both).
-SIDE_EXTRA = {"tether": {}, "llama-server": {"min_p": 0.0, "repeat_penalty": 1.0}}
-
-
-def chat_body(params: dict, side: str) -> dict:
-    """The request's fields beyond model, messages and stream, for `side`: its own sampling on both.
-
-    top_p 0 is tether's "off": tether is sent none (it refuses 0), llama-server 1.0 (its default is 0.95)."""
-    body: dict = dict(max_tokens=params["max_tokens"], temperature=params["temperature"],
-                      stream_options={"include_usage": True})
-    top_p = params["top_p"] or None
-    if side == "llama-server":
-        top_p = top_p or 1.0
-    if top_p is not None:
-        body["top_p"] = top_p
-    if params["seed"]:
-        body["seed"] = params["seed"]
-    extra = {"top_k": params["top_k"], **SIDE_EXTRA[side]}
-    if params["ignore_eos"]:
-        extra["ignore_eos"] = True
-    body["extra_body"] = extra
-    return body
-
-
-class _ChatStream(StreamBase):
-    async def _run(self):
-        o = self.owner
-        text: list[str] = []
-        finish = ""
-        usage = None
-        chunks = 0
-        try:
-            stream = await o.client.chat.completions.create(
-                model=o.model, messages=[{"role": "user", "content": self.prompt}], stream=True,
-                **chat_body(self.params, o.side))
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                if not chunk.choices:
-                    continue
-                choice = chunk.choices[0]
-                if choice.delta is not None and choice.delta.content:
-                    chunks += 1
-                    text.append(choice.delta.content)
-                    yield NO_ID   # one chunk: one token (or a few, for a character split over tokens)
-                if choice.finish_reason:
-                    finish = choice.finish_reason
-        except o.openai.OpenAIError as e:
-            error = tether_error(o.openai, e)
-            if error is None:
-                raise
-            cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""   # a connection error's own reason
-            raise TetherError(error.message + cause, error.code) from None
-        if not finish:
-            raise TetherError(f"the {o.side} stream ended without a finish reason", grpc.StatusCode.INTERNAL)
-        if usage is None:
-            raise TetherError(f"{o.side} sent no usage (stream_options.include_usage)", grpc.StatusCode.INTERNAL)
-        n = usage.completion_tokens
-        self.result = GenerateResult("".join(text), [NO_ID] * n, finish,
-                                     Receipt("", 0, usage.prompt_tokens, 0, n, o.side))
-
-
-class ChatClient(AsyncOpenAIClient):
-    """The one load client of both sides: `async with ChatClient(base_url, side) as c: c.stream(prompt, ...)`."""
-
-    STREAM = _ChatStream
-
-    def __init__(self, base_url: str, side: str, timeout: float = 600.0) -> None:
-        super().__init__(base_url, timeout)
-        # One connection per request on both sides (`Connection: close`): llama-server's HTTP pool closes a
-        # kept-alive connection its dynamic threads served, without saying so, and the next request on it then
-        # failed ("Server disconnected without sending a response", 1 in ~10 runs of 8 requests). A loopback
-        # connect costs both sides the same.
-        self.client = self.openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0,
-                                              default_headers={"Connection": "close"})
-        self.side = side
-
-
-async def run_level(base_url: str, side: str, requests: list[BenchRequest], concurrency: int) -> loadgen.LevelRun:
-    async with ChatClient(base_url, side) as c:
+async def run_level(base_url: str, side: str, requests: list[BenchRequest], concurrency: int,
+                    client: str = "httpx") -> loadgen.LevelRun:
+    async with chat_clients.CLIENTS[client](base_url, side) as c:
         return await loadgen.closed_loop(c, iter(requests), loadgen.Level("closed", concurrency=concurrency),
                                          loadgen.Budget(num_requests=len(requests)), lambda r: None)
 
@@ -206,6 +122,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
     p.add_argument("--no-ceiling", action="store_true", help="skip timing the arithmetic ceiling (~20-60 s)")
+    p.add_argument("--client", choices=sorted(chat_clients.CLIENTS), default="httpx",
+                   help="the load client of both sides: httpx (httpx2, ~0.2 ms of CPU a streamed chunk) or openai "
+                        "(the official client, ~0.4 ms: as measured before 2026-12-07) (default: %(default)s)")
     p.add_argument("--isa", choices=llama_server.ISAS, default="native",
                    help="native: each side uses what the CPU has; avx2: both keep to AVX2 (llama-server built "
                         "without AVX-512, tether's kernels with %s=avx2): an AVX2-only CPU's code on this one "
@@ -245,9 +164,9 @@ def main() -> None:
                 command=" ".join([sys.executable, *sys.argv]), cores=os.cpu_count(), platform=platform.platform(),
                 cpu_flags=flags, llama_server=str(binary), llama_cpp_python=llama_server.VERSION,
                 cmake_options=list(llama_server.cmake_options(args.isa)), gguf=str(gguf), stages=args.stages,
-                stage_threads=stage_threads, llama_threads=threads, isa=args.isa)
+                stage_threads=stage_threads, llama_threads=threads, isa=args.isa, client=args.client)
     print(f"{meta['date']}: tether {args.stages} stage(s) x {stage_threads} thread(s) vs llama-server -t {threads}; "
-          f"CPU flags: {' '.join(flags)}; instruction sets: {args.isa}", flush=True)
+          f"CPU flags: {' '.join(flags)}; instruction sets: {args.isa}; load client: {args.client}", flush=True)
     ceilings: dict[int, arithmetic_ceiling.Round] = {}
     if "synthetic" in workloads and not args.no_ceiling:
         print("timing the arithmetic ceiling (the whole model in this process) ...", file=sys.stderr, flush=True)
@@ -292,7 +211,7 @@ def main() -> None:
                     with llama_server.LlamaServer(binary, gguf, threads, conc, log) as ls:
                         urls = {"tether": tether_url, "llama-server": ls.base_url}
                         for side, url in urls.items():
-                            asyncio.run(run_level(url, side, warm, min(conc, len(warm))))
+                            asyncio.run(run_level(url, side, warm, min(conc, len(warm)), args.client))
                         runs: dict[str, list[dict]] = {"tether": [], "llama-server": []}
                         for r in range(args.repeats):
                             # each repeat its own requests, the same on both sides: no repeat finds its exact
@@ -302,7 +221,7 @@ def main() -> None:
                             for side in order:
                                 if side == "tether":
                                     probe.before()
-                                s = summary(asyncio.run(run_level(urls[side], side, requests, conc)))
+                                s = summary(asyncio.run(run_level(urls[side], side, requests, conc, args.client)))
                                 if side == "tether":
                                     s["step"] = (probe.after()["engine"] or {}).get("step")
                                 runs[side].append(s)
@@ -349,7 +268,8 @@ def main() -> None:
             f"{c} streams: {arithmetic_ceiling.rates_text(r, peak)}" for c, r in ceilings.items())
             + (f" (of the {peak:.0f} GFLOP/s {threads} threads sustain in FMAs alone: bench/fma_rate.c)" if peak
                else " (no C compiler for bench/fma_rate.c)"))
-    print(f"\nmedians of {args.repeats} paired, alternating runs; tether: {meta.get('tether_kernels')}; "
+    print(f"\nmedians of {args.repeats} paired, alternating runs, load client {args.client}; "
+          f"tether: {meta.get('tether_kernels')}; "
           f"llama-server: {meta.get('system_info')}")
     if args.out:
         args.out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import arithmetic_ceiling, llama_server
-from bench.llama_server_vs_tether import chat_body, median_step
+from bench.chat_clients import chat_body
+from bench.llama_server_vs_tether import median_step
 
 AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
 
