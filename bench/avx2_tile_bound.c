@@ -5,11 +5,12 @@
  *
  *     cc -O2 -mavx2 -mfma bench/avx2_tile_bound.c -o /tmp/avx2_tile_bound && /tmp/avx2_tile_bound
  *
- * On the Xeon (2026-12-07), GFLOP/s against bench/fma_rate.c's 112 a thread, 3 repeats: the tile 81; without the
- * weights' rebuild 73-77 (a float load a k in its place: no faster); without the x broadcasts 113-118, the FMA rate;
- * without either 110-119; 6 rows x both halves (12 chains, 8 loads for 12 FMAs, two rebuilds a k) 79-83. So the
- * broadcasts' loads (8 a k for 8 FMAs) bind the tile, not the rebuild; sharing each broadcast between two FMAs takes
- * 16 accumulators at 8 rows, and AVX2 has 16 registers in all. */
+ * On the Xeon (2026-12-07), GFLOP/s against bench/fma_rate.c's 112 a thread, a quiet run's 3 repeats (a noisy one
+ * read 63-79 for the tile, the order the same): the tile 78-81; without the weights' rebuild 78-79 (a float load a k
+ * in its place); without the x broadcasts 91-92; without either 97; 6 rows x both halves (12 chains, 8 loads for 12
+ * FMAs, two rebuilds a k) 82-83. So the 8 broadcasts a k for 8 FMAs cost the tile ~15%, the rebuild ~5%, and 8
+ * chains (the fewest that cover an FMA's latency on two pipes) leave ~13% even with neither: sharing a broadcast
+ * between two FMAs takes 16 accumulators at 8 rows, and AVX2 has 16 registers in all. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -35,7 +36,10 @@ static inline __m256 rebuilt(const uint8_t *rec, int i, int H, __m256 d, __m256 
 #define ROW(j, w, at) a##j = _mm256_fmadd_ps(_mm256_broadcast_ss(x + j * ldx + (at)), w, a##j);
 static inline __attribute__((always_inline)) void half8(const int kind, int H, const float *x, int64_t ldx,
                                                         const uint8_t *blk, int64_t k, __m256 *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, xr[4];
+    /* each chain from its own start: the compiler would merge two chains of equal starts and inputs */
+    __m256 a0 = _mm256_set1_ps(0.0f), a1 = _mm256_set1_ps(0.1f), a2 = _mm256_set1_ps(0.2f), a3 = _mm256_set1_ps(0.3f);
+    __m256 a4 = _mm256_set1_ps(0.4f), a5 = _mm256_set1_ps(0.5f), a6 = _mm256_set1_ps(0.6f), a7 = _mm256_set1_ps(0.7f);
+    __m256 xr[4];
     for (int64_t g = 0; g < k / GROUP; g++) {
         const uint8_t *r = blk + g * REC;
         __m256 d = _mm256_loadu_ps((const float *)r + 8 * H), m = _mm256_loadu_ps((const float *)r + 16 + 8 * H);
