@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import llama_server  # noqa: E402
-from bench.llama_server_vs_tether import SIDE_EXTRA  # noqa: E402
+from bench.chat_clients import SIDE_EXTRA  # noqa: E402
 from tether import reference  # noqa: E402
 from tether.model import dtypes, smollm2  # noqa: E402
 
