@@ -75,13 +75,30 @@ def _error_of(status: int, payload: object) -> TetherError:
     return TetherError(str(message or payload)[:500], CODES.get(status, grpc.StatusCode.INTERNAL))
 
 
-class _HttpChatStream(StreamBase):
+class _ChatStream(StreamBase):
+    """One streamed chat: `_deltas` yields each chunk's (content, finish_reason, usage), any of them empty; here they
+    are counted and checked the same way for both clients."""
+
     async def _run(self):
-        import httpx2
-        o = self.owner
         text: list[str] = []
         finish = ""
         usage = None
+        async for content, finished, used in self._deltas():
+            usage = used or usage
+            finish = finished or finish
+            if content:
+                text.append(content)
+                yield NO_ID   # one chunk: one token (or a few, for a character split over tokens)
+        self.result = _result(self.owner.side, text, finish, usage)
+
+    def _deltas(self):
+        raise NotImplementedError
+
+
+class _HttpChatStream(_ChatStream):
+    async def _deltas(self):
+        import httpx2
+        o = self.owner
         try:
             async with o.http.stream("POST", "/chat/completions",
                                      json=wire_body(o.model, self.prompt, self.params, o.side)) as r:
@@ -101,20 +118,12 @@ class _HttpChatStream(StreamBase):
                     chunk = json.loads(data)
                     if "error" in chunk:   # a failure after the status line: an error event
                         raise _error_of(500, chunk)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in (chunk.get("choices") or [])[:1]:
-                        delta = choice.get("delta") or {}
-                        if delta.get("content"):
-                            text.append(delta["content"])
-                            yield NO_ID   # one chunk: one token (or a few, for a character split over tokens)
-                        if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
+                    choice = (chunk.get("choices") or [{}])[0]
+                    yield (choice.get("delta") or {}).get("content"), choice.get("finish_reason"), chunk.get("usage")
         except httpx2.TimeoutException as e:
             raise TetherError(f"{o.side}: {e!r}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except httpx2.TransportError as e:
             raise TetherError(f"{o.side}: {e!r}", grpc.StatusCode.UNAVAILABLE) from None
-        self.result = _result(o.side, text, finish, usage)
 
 
 class HttpChatClient:
@@ -149,34 +158,24 @@ class HttpChatClient:
         return self.STREAM(self, prompt, params)
 
 
-class _OpenAIChatStream(StreamBase):
-    async def _run(self):
+class _OpenAIChatStream(_ChatStream):
+    async def _deltas(self):
         o = self.owner
-        text: list[str] = []
-        finish = ""
-        usage = None
         try:
             stream = await o.client.chat.completions.create(
                 model=o.model, messages=[{"role": "user", "content": self.prompt}], stream=True,
                 **chat_body(self.params, o.side))
             async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage.model_dump()
-                if not chunk.choices:
-                    continue
-                choice = chunk.choices[0]
-                if choice.delta is not None and choice.delta.content:
-                    text.append(choice.delta.content)
-                    yield NO_ID
-                if choice.finish_reason:
-                    finish = choice.finish_reason
+                usage = chunk.usage.model_dump() if chunk.usage is not None else None
+                choice = chunk.choices[0] if chunk.choices else None
+                content = choice.delta.content if choice is not None and choice.delta is not None else None
+                yield content, choice.finish_reason if choice is not None else None, usage
         except o.openai.OpenAIError as e:
             error = tether_error(o.openai, e)
             if error is None:
                 raise
             cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""   # a connection error's own reason
             raise TetherError(error.message + cause, error.code) from None
-        self.result = _result(o.side, text, finish, usage)
 
 
 class OpenAIChatClient(AsyncOpenAIClient):
