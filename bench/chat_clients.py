@@ -68,8 +68,15 @@ def _result(side: str, text: list[str], finish: str, usage: dict | None) -> Gene
     return GenerateResult("".join(text), [NO_ID] * n, finish, Receipt("", 0, usage["prompt_tokens"], 0, n, side))
 
 
-def _error_of(status: int, payload: object) -> TetherError:
-    """The TetherError of an OpenAI error body ({"error": {"message": ...}}) or event, with the HTTP status."""
+def _error_of(status: int, body: bytes | dict) -> TetherError:
+    """The TetherError of an OpenAI error body ({"error": {"message": ...}}) or event, with the HTTP status; a body
+    that is not JSON is quoted as it came."""
+    payload: object = body
+    if isinstance(body, bytes):
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = body.decode(errors="replace")
     error = payload.get("error") if isinstance(payload, dict) else None
     message = error.get("message") if isinstance(error, dict) else None
     return TetherError(str(message or payload)[:500], CODES.get(status, grpc.StatusCode.INTERNAL))
@@ -103,12 +110,7 @@ class _HttpChatStream(_ChatStream):
             async with o.http.stream("POST", "/chat/completions",
                                      json=wire_body(o.model, self.prompt, self.params, o.side)) as r:
                 if r.status_code != 200:
-                    body = await r.aread()
-                    try:
-                        payload: object = json.loads(body)
-                    except ValueError:
-                        payload = body.decode(errors="replace")
-                    raise _error_of(r.status_code, payload)
+                    raise _error_of(r.status_code, await r.aread())
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
                         continue   # blank lines between events, comments, `event:` names
@@ -147,7 +149,7 @@ class HttpChatClient:
             await self.http.aclose()
             raise TetherError(f"{self.side}: {e!r}", grpc.StatusCode.UNAVAILABLE) from None
         if r.status_code != 200:
-            raise _error_of(r.status_code, r.json())
+            raise _error_of(r.status_code, r.content)
         self.model = r.json()["data"][0]["id"]
         return self
 

@@ -205,7 +205,7 @@ def served_step(wall_s: float, stages: list[dict | None]) -> dict | None:
 
 
 def served_step_text(step: dict | None) -> str:
-    """'38.1 ms a step: stage 0 12.0 + stage 1 21.3 (sampling 2.9) + 4.8 between them' (or '–')."""
+    """'38.1 ms a step: stage 0 12.0 + stage 1 21.3 (sampling 2.9) + 4.8 outside the stages' (or '–')."""
     if step is None:
         return "–"
     stages = " + ".join(f"stage {i} {b:.1f}" for i, b in enumerate(step["busy_ms"]))

@@ -63,3 +63,12 @@ def test_no_server_is_unavailable():
     with pytest.raises(TetherError) as e:
         asyncio.run(_answers(HttpChatClient, url, [("hi", PARAMS)]))
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_error_body_is_read_as_json_or_quoted_as_it_came():
+    from bench.chat_clients import _error_of
+    e = _error_of(429, b'{"error": {"message": "slow down", "type": "rate_limit_error"}}')
+    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slow down" in str(e)
+    e = _error_of(503, b"<html>bad gateway</html>")
+    assert e.code == grpc.StatusCode.UNAVAILABLE and "bad gateway" in str(e)
+    assert _error_of(500, {"error": {"message": "mid-stream"}}).code == grpc.StatusCode.INTERNAL

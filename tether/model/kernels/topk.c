@@ -73,12 +73,12 @@ static uint32_t kth_largest_key(const float *logits, int64_t n, int64_t k, int64
     for (int level = 1; level < 3; level++) {
         uint32_t mask = (uint32_t)buckets[level] - 1;
         memset(hist, 0, sizeof(int64_t) * (size_t)buckets[level]);
-        for (int64_t i = 0; i < m; i++)
+        for (i = 0; i < m; i++)
             hist[(keys[i] >> shift[level]) & mask]++;
         b = (uint32_t)bucket_of(hist, buckets[level], &need);
         prefix |= b << shift[level];
         int64_t kept = 0;
-        for (int64_t i = 0; i < m; i++)
+        for (i = 0; i < m; i++)
             if (((keys[i] >> shift[level]) & mask) == b)
                 keys[kept++] = keys[i];
         m = kept;
