@@ -10,6 +10,9 @@ GEN := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 # or avx2: an AVX2-only CPU's code on this one)
 LINEAR_INPUTS ?= float32
 ISA ?= native
+# ... and its workloads: synthetic 64 / 64 (every answer its full length, prompts in waves) and chat (answers end at
+# their own EOS, prompts one at a time)
+WORKLOADS ?= synthetic,chat
 
 .PHONY: help setup proto run lint test test-fast bench bench-chaos bench-llama-server bench-front-door bench-memory bench-overload bench-prefix soak clean
 
@@ -89,8 +92,8 @@ bench-overload: setup  ## two pipelines at 2x their saturating rate: priorities,
 bench-prefix: setup  ## prefix cache: multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
 	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
 
-bench-llama-server: setup  ## tether's HTTP face vs llama.cpp's llama-server (continuous batching) on the default model's GGUF, 1/8/32 streams (builds it once, ~10 min; then ~12 min); LINEAR_INPUTS=q8 for llama.cpp's arithmetic, ISA=avx2 for both sides kept to AVX2
-	$(BIN)/python bench/llama_server_vs_tether.py --workloads synthetic --concurrency 1,8,32 --requests 8,16,32 --repeats 3 --linear-inputs $(LINEAR_INPUTS) --isa $(ISA)
+bench-llama-server: setup  ## tether's HTTP face vs llama.cpp's llama-server (continuous batching) on the default model's GGUF, 1/8/32 streams, synthetic and chat (builds it once, ~10 min; then ~20 min); LINEAR_INPUTS=q8 for llama.cpp's arithmetic, ISA=avx2 for both sides kept to AVX2, WORKLOADS=synthetic for one
+	$(BIN)/python bench/llama_server_vs_tether.py --workloads $(WORKLOADS) --concurrency 1,8,32 --requests 8,16,32 --repeats 3 --linear-inputs $(LINEAR_INPUTS) --isa $(ISA)
 
 soak: setup  ## a few hundred concurrent streams for ~5 minutes with random cancels, every answer checked; RSS at start, after 1 min, at the end (exit 1 past +10% after 1 min)
 	$(BIN)/python -m bench.soak --out bench-out/soak/report.json --log-dir bench-out/soak/logs

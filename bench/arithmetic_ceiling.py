@@ -57,6 +57,7 @@ class Round:
     decode_gflop: float = 0.0    # the round's decode rows and head: 2 a multiply-add (linears and attention)
     prefill_gflop: float = 0.0   # one prompt's prefill
     cached_tokens: int = 0       # of the prompt's tokens, those the prefix cache serves (not prefilled)
+    prompts_a_call: int = 1      # prompts prefilled together in one call (prefill_ms is one prompt's share)
 
     def rates(self) -> tuple[float, float]:
         """GFLOP/s of the decode rows with their head, and of a prefill."""
@@ -156,10 +157,11 @@ def synthetic_prompt_tokens(folder: str | Path, input_len: int, samples: int = 8
 
 
 def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_len: int, linear_inputs: str,
-            model_name: str = "smollm2", repeats: int = 3, cached: int = 0) -> list[Round]:
+            model_name: str = "smollm2", repeats: int = 3, cached: int = 0, together: bool = True) -> list[Round]:
     """Each concurrency's round on this machine (the whole model in this process, `threads` threads), for
     prompts of `prompt_tokens` tokens as served, the first `cached` from the prefix cache
-    (`synthetic_prompt_tokens`)."""
+    (`synthetic_prompt_tokens`). `together`: prompts arrive together (synthetic's waves, `prompts_per_call` of
+    them a call); else one at a time (chat's, whose answers end apart), one a call."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -170,13 +172,13 @@ def measure(concurrencies: list[int], threads: int, prompt_tokens: int, output_l
         prefills: dict[int, float] = {}
         rounds = []
         for c in concurrencies:
-            k = prompts_per_call(c, prompt_tokens - cached)
+            k = prompts_per_call(c, prompt_tokens - cached) if together else 1
             if k not in prefills:
                 prefills[k] = prefill_ms(model, prompt_tokens, threads, k, cached=cached)
             runs = [decode_ms(model, c, threads, context, 6, head=True) for _ in range(repeats)]
             rounds.append(Round(c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                                 prefills[k], prompt_tokens, model_gflop(cfg, c, context, head_rows=c),
-                                model_gflop(cfg, prompt_tokens - cached, cached, causal=True), cached))
+                                model_gflop(cfg, prompt_tokens - cached, cached, causal=True), cached, k))
         return rounds
     finally:
         torch.set_num_threads(before)
@@ -207,7 +209,7 @@ def main() -> None:
                      args.linear_inputs, cached=cached):
         print(f"{r.concurrency:3d} streams: decode {r.decode_ms:6.2f} ms + head {r.head_ms:5.2f} + "
               f"{r.concurrency}/{args.output_len} x prefill {r.prefill_ms:6.1f} "
-              f"({prompts_per_call(r.concurrency, prompt - cached)} a call) -> at most "
+              f"({r.prompts_a_call} a call) -> at most "
               f"{r.tok_s(args.output_len):6.1f} tok/s; "
               + rates_text(r, peak))
 

@@ -20,9 +20,10 @@ same requests and one load client, paired and alternating; medians of output tok
 
 For each workload and concurrency: warm-up requests on both sides (not counted), then --repeats runs per
 side, alternating which goes first, on the same requests; the medians and tether ÷ llama-server. Beside each
-synthetic row, the most tok/s tether's arithmetic allows at that concurrency (bench/arithmetic_ceiling.py, timed
-in this process before the cluster starts): a ratio under a target shows there whether the arithmetic or the rest
-of the serving falls short.
+row, the most tok/s tether's arithmetic allows at that concurrency (bench/arithmetic_ceiling.py, timed in this
+process while nothing else runs: before the cluster starts for synthetic, after both servers stop for chat, whose
+answers' length is known only then: the mean of tether's own answers): a ratio under a target shows there whether
+the arithmetic or the rest of the serving falls short.
 
     .venv/bin/python bench/llama_server_vs_tether.py --concurrency 1,8,32 --requests 8,16,32 --repeats 3
 """
@@ -97,6 +98,22 @@ def median_step(steps: list[dict | None]) -> dict | None:
                 rest_ms=statistics.median(s["rest_ms"] for s in read))
 
 
+def served_output_len(runs: list[dict]) -> int | None:
+    """A row's output tokens per answer as served (each run's output tokens over its completed requests; the
+    median over the runs, rounded): the output length of a chat row's arithmetic ceiling, whose answers end at
+    their own EOS. None where no run completed a request."""
+    means = [r["output_tokens"] / r["completed"] for r in runs if r.get("completed")]
+    return max(1, round(statistics.median(means))) if means else None
+
+
+def ceiling_text(workload: str, r: arithmetic_ceiling.Round, output_len: int) -> str:
+    """One ceiling's round: its decode rows, head and share of a prompt's prefill, and the prompt as served."""
+    c = r.concurrency
+    return (f"{workload} at {c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{output_len} x "
+            f"prefill {r.prefill_ms:.1f} ({r.prompts_a_call} a call; a prompt of {r.prompt_tokens} tokens as served, "
+            f"the first {r.cached_tokens} from the prefix cache)")
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -167,23 +184,17 @@ def main() -> None:
                 stage_threads=stage_threads, llama_threads=threads, isa=args.isa, client=args.client)
     print(f"{meta['date']}: tether {args.stages} stage(s) x {stage_threads} thread(s) vs llama-server -t {threads}; "
           f"CPU flags: {' '.join(flags)}; instruction sets: {args.isa}; load client: {args.client}", flush=True)
-    ceilings: dict[int, arithmetic_ceiling.Round] = {}
+    # (workload, concurrency) -> the arithmetic's round there and the output length it was timed for
+    ceilings: dict[tuple[str, int], tuple[arithmetic_ceiling.Round, int]] = {}
     if "synthetic" in workloads and not args.no_ceiling:
         print("timing the arithmetic ceiling (the whole model in this process) ...", file=sys.stderr, flush=True)
         # the synthetic requests' prompts as tether's admission renders them (the chat template's tokens too)
         prompt, cached = arithmetic_ceiling.chat_prompt_tokens(smollm2.ensure(), [
             r.prompt for r in Workload(mix["synthetic"], tok.encode, spec).take(8, "ceiling")])
-        ceilings = {r.concurrency: r for r in arithmetic_ceiling.measure(
+        ceilings = {("synthetic", r.concurrency): (r, args.output_len) for r in arithmetic_ceiling.measure(
             concurrencies, threads, prompt, args.output_len, args.linear_inputs, cached=cached)}
-        peak = arithmetic_ceiling.fma_rate(threads, arithmetic_ceiling.kernels_wide())
-        meta["fma_rate_gflops"] = peak
-        meta["ceiling"] = {c: dict(decode_ms=r.decode_ms, head_ms=r.head_ms, prefill_ms=r.prefill_ms,
-                                   prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-                                   prompts_per_call=arithmetic_ceiling.prompts_per_call(
-                                       c, r.prompt_tokens - r.cached_tokens),
-                                   decode_gflops=r.rates()[0], prefill_gflops=r.rates()[1],
-                                   tok_s=r.tok_s(args.output_len)) for c, r in ceilings.items()}
     results: list[dict] = []
+    prompts: dict[tuple[str, int], list[str]] = {}   # every prompt a row sent: a chat ceiling's prompt length
     with tempfile.TemporaryDirectory(prefix="llama-vs-tether-") as tmp:
         logs = Path(tmp)
         inputs = linear_inputs_flags(args.linear_inputs)
@@ -217,6 +228,7 @@ def main() -> None:
                             # each repeat its own requests, the same on both sides: no repeat finds its exact
                             # prompts in a server's prompt/prefix cache from the one before
                             requests = wl.take(n, f"{args.seed}:{workload}:{r}")
+                            prompts.setdefault((workload, conc), []).extend(q.prompt for q in requests)
                             order = ["tether", "llama-server"] if r % 2 == 0 else ["llama-server", "tether"]
                             for side in order:
                                 if side == "tether":
@@ -241,13 +253,31 @@ def main() -> None:
                           flush=True)
         finally:
             cluster.stop()
+    if "chat" in workloads and not args.no_ceiling:
+        print("timing the chat rows' arithmetic ceiling (the whole model in this process) ...", file=sys.stderr,
+              flush=True)
+        for row in results:
+            out = served_output_len(row["runs"]["tether"]) if row["workload"] == "chat" else None
+            if out is not None:
+                prompt, cached = arithmetic_ceiling.chat_prompt_tokens(
+                    smollm2.ensure(), prompts[("chat", row["concurrency"])])
+                ceilings[("chat", row["concurrency"])] = (arithmetic_ceiling.measure(
+                    [row["concurrency"]], threads, prompt, out, args.linear_inputs, cached=cached,
+                    together=False)[0], out)
+    peak = arithmetic_ceiling.fma_rate(threads, arithmetic_ceiling.kernels_wide()) if ceilings else None
+    meta["fma_rate_gflops"] = peak
+    meta["ceiling"] = [dict(workload=w, concurrency=c, output_len=out, decode_ms=r.decode_ms, head_ms=r.head_ms,
+                            prefill_ms=r.prefill_ms, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                            prompts_per_call=r.prompts_a_call,
+                            decode_gflops=r.rates()[0], prefill_gflops=r.rates()[1], tok_s=r.tok_s(out))
+                       for (w, c), (r, out) in ceilings.items()]
     print()
     print("| workload | concurrency | requests | tether tok/s | llama-server tok/s | tether ÷ llama-server | "
           "arithmetic ceiling tok/s (÷ llama-server) |")
     print("|---|---|---|---|---|---|---|")
     for row in results:
-        ceiling = ceilings.get(row["concurrency"]) if row["workload"] == "synthetic" else None
-        top = ceiling.tok_s(args.output_len) if ceiling else None
+        ceiling = ceilings.get((row["workload"], row["concurrency"]))
+        top = ceiling[0].tok_s(ceiling[1]) if ceiling else None
         row["ceiling_tok_s"] = top
         print(f"| {row['workload']} | {row['concurrency']} | {row['requests']} | {row['tether_tok_s']:.1f} | "
               f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} | "
@@ -257,15 +287,10 @@ def main() -> None:
         f"{row['workload']} at {row['concurrency']} streams: {cluster_stats.served_step_text(row['step'])}"
         for row in results) + " (the rest: the hops between the processes and the coordinator's turn)")
     if ceilings:
-        print("arithmetic ceiling: " + "; ".join(
-            f"{c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{args.output_len} x prefill "
-            f"{r.prefill_ms:.1f} ({arithmetic_ceiling.prompts_per_call(c, r.prompt_tokens - r.cached_tokens)} a call)"
-            for c, r in ceilings.items()) + f"; a prompt of {next(iter(ceilings.values())).prompt_tokens} tokens as "
-            f"served, the first {next(iter(ceilings.values())).cached_tokens} from the prefix cache "
-            "(bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
-        peak = meta.get("fma_rate_gflops")
+        print("arithmetic ceiling: " + "; ".join(ceiling_text(w, r, out) for (w, _), (r, out) in ceilings.items())
+              + " (bench/arithmetic_ceiling.py: sampling, hops and the coordinator left out)")
         print("the arithmetic's rate: " + "; ".join(
-            f"{c} streams: {arithmetic_ceiling.rates_text(r, peak)}" for c, r in ceilings.items())
+            f"{w} at {c} streams: {arithmetic_ceiling.rates_text(r, peak)}" for (w, c), (r, _) in ceilings.items())
             + (f" (of the {peak:.0f} GFLOP/s {threads} threads sustain in FMAs alone: bench/fma_rate.c)" if peak
                else " (no C compiler for bench/fma_rate.c)"))
     print(f"\nmedians of {args.repeats} paired, alternating runs, load client {args.client}; "

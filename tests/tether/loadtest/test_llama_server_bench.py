@@ -12,7 +12,7 @@ import pytest
 
 from bench import arithmetic_ceiling, llama_server
 from bench.chat_clients import chat_body
-from bench.llama_server_vs_tether import median_step
+from bench.llama_server_vs_tether import ceiling_text, median_step, served_output_len
 
 AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
 
@@ -183,3 +183,22 @@ def test_the_report_takes_each_part_of_tethers_served_step_as_its_median_over_th
             dict(step_ms=50.0, busy_ms=[14.0, 25.0], sampling_ms=4.0, rest_ms=11.0)]
     assert median_step(runs) == dict(step_ms=44.0, busy_ms=[15.0, 21.0], sampling_ms=3.0, rest_ms=7.0)
     assert median_step([None, None]) is None and median_step([]) is None
+
+
+def test_a_chat_rows_ceiling_takes_the_answers_length_tether_served():
+    # each run's output tokens over its completed requests, the median over the runs
+    runs = [dict(output_tokens=4468, completed=64), dict(output_tokens=4465, completed=64),
+            dict(output_tokens=3881, completed=62), dict(output_tokens=0, completed=0)]
+    assert served_output_len(runs) == round(4465 / 64) == 70
+    assert served_output_len([dict(output_tokens=1, completed=4)]) == 1            # never a zero-length answer
+    assert served_output_len([dict(output_tokens=0, completed=0)]) is None and served_output_len([]) is None
+
+
+def test_chats_prompts_arrive_one_at_a_time_synthetics_together():
+    # the tiny model in this process: chat's ceiling prefills one prompt a call, synthetic's waves as many as fit
+    apart, = arithmetic_ceiling.measure([4], 1, 12, 8, "float32", model_name="tiny", repeats=1, together=False)
+    waves, = arithmetic_ceiling.measure([4], 1, 12, 8, "float32", model_name="tiny", repeats=1)
+    assert apart.prompts_a_call == 1 and waves.prompts_a_call == arithmetic_ceiling.prompts_per_call(4, 12) == 4
+    assert apart.prompt_tokens == waves.prompt_tokens == 12 and apart.prefill_ms > 0 and waves.prefill_ms > 0
+    text = ceiling_text("chat", apart, 70)
+    assert text.startswith("chat at 4 streams: decode ") and "+ 4/70 x prefill" in text and "(1 a call; " in text
