@@ -138,7 +138,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--jobs", type=int, default=2, help="build jobs, if llama-server must be built")
-    p.add_argument("--no-ceiling", action="store_true", help="skip timing the arithmetic ceiling (~20-60 s)")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip timing the arithmetic ceiling (~20-60 s, and ~15 s a chat row)")
     p.add_argument("--client", choices=sorted(chat_clients.CLIENTS), default="httpx",
                    help="the load client of both sides: httpx (httpx2, ~0.2 ms of CPU a streamed chunk) or openai "
                         "(the official client, ~0.4 ms: as measured before 2026-12-07) (default: %(default)s)")
