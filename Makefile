@@ -92,7 +92,7 @@ bench-overload: setup  ## two pipelines at 2x their saturating rate: priorities,
 bench-prefix: setup  ## prefix cache: multiturn on tiny with and without the cache, 3 interleaved pairs: TTFT p50 ratio, hit rate (~4 min)
 	$(BIN)/python -m tether.cli.main bench --spawn --model tiny --workload multiturn --concurrency 8 --num-requests 32 --compare-prefix-cache --compare-repeats 3 --audit --out bench-out/prefix
 
-bench-llama-server: setup  ## tether's HTTP face vs llama.cpp's llama-server (continuous batching) on the default model's GGUF, 1/8/32 streams, synthetic and chat (builds it once, ~10 min; then ~20 min); LINEAR_INPUTS=q8 for llama.cpp's arithmetic, ISA=avx2 for both sides kept to AVX2, WORKLOADS=synthetic for one
+bench-llama-server: setup  ## tether's HTTP face vs llama.cpp's llama-server (continuous batching) on the default model's GGUF, 1/8/32 streams, synthetic and chat (builds it once, ~10 min; then ~13 min); LINEAR_INPUTS=q8 for llama.cpp's arithmetic, ISA=avx2 for both sides kept to AVX2, WORKLOADS=synthetic for one
 	$(BIN)/python bench/llama_server_vs_tether.py --workloads $(WORKLOADS) --concurrency 1,8,32 --requests 8,16,32 --repeats 3 --linear-inputs $(LINEAR_INPUTS) --isa $(ISA)
 
 soak: setup  ## a few hundred concurrent streams for ~5 minutes with random cancels, every answer checked; RSS at start, after 1 min, at the end (exit 1 past +10% after 1 min)
