@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -108,6 +109,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="runs per side, alternating which goes first")
     p.add_argument("--out", type=Path, default=None, help="write the runs and the summary as JSON here")
     args = p.parse_args()
+    # `kill PID` unwinds like Ctrl-C (a background job ignores SIGINT): both clusters are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         extra, env = parse_flags(args.flags), parse_env(args.env)
     except ValueError as e:
