@@ -144,13 +144,16 @@ class HttpChatClient:
     async def __aenter__(self) -> "HttpChatClient":
         import httpx2
         try:
-            r = await self.http.get("/models")
-        except httpx2.TransportError as e:
+            try:
+                r = await self.http.get("/models")
+            except httpx2.TransportError as e:
+                raise TetherError(f"{self.side}: {e!r}", grpc.StatusCode.UNAVAILABLE) from None
+            if r.status_code != 200:
+                raise _error_of(r.status_code, r.content)
+            self.model = r.json()["data"][0]["id"]
+        except BaseException:   # no `async with` body runs, so no __aexit__: the client is closed here
             await self.http.aclose()
-            raise TetherError(f"{self.side}: {e!r}", grpc.StatusCode.UNAVAILABLE) from None
-        if r.status_code != 200:
-            raise _error_of(r.status_code, r.content)
-        self.model = r.json()["data"][0]["id"]
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

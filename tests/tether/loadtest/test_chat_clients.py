@@ -65,6 +65,15 @@ def test_no_server_is_unavailable():
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_refused_models_request_is_its_status_and_leaves_no_client_open(cluster):
+    """The base URL without /v1: /models is NOT_FOUND on entry, and the client's connections are closed."""
+    c = HttpChatClient(cluster.base_url.removesuffix("/v1"), "tether")
+    with pytest.raises(TetherError) as e:
+        asyncio.run(c.__aenter__())
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert c.http.is_closed
+
+
 def test_an_error_body_is_read_as_json_or_quoted_as_it_came():
     from bench.chat_clients import _error_of
     e = _error_of(429, b'{"error": {"message": "slow down", "type": "rate_limit_error"}}')
