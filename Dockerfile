@@ -13,10 +13,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_ROOT_USER_ACTION=ignore \
     TETHER_HOME=/data/tether
 
-# Bounded OpenMP waits, as `tether up` gives its services (tether/settings.py OMP_ENV): idle threads never spin long
-# enough to starve a neighbour, and a step alone in the pipeline on every thread does not pay a wake per region.
+# The environment `tether up` gives its services (tether/settings.py SERVICE_ENV): bounded OpenMP waits (idle threads
+# never spin long enough to starve a neighbour, and a step alone in the pipeline on every thread does not pay a wake
+# per region), and gRPC core logging errors only (not an INFO line each time an idle connection is closed).
 ENV OMP_WAIT_POLICY=PASSIVE \
-    GOMP_SPINCOUNT=10000
+    GOMP_SPINCOUNT=10000 \
+    GRPC_VERBOSITY=ERROR
 
 # torch first, from the CPU index, so that `pip install .` finds torch==2.13.0 satisfied and never pulls CUDA.
 # Its own layer: code changes do not reinstall it.

@@ -115,12 +115,16 @@ DTYPE = "auto"
 # --linear-inputs (dtypes.LINEAR_INPUTS): "q8" rounds the linears' inputs to 8 bits, llama.cpp's arithmetic
 LINEAR_INPUTS = "float32"
 
-# OpenMP waits of the services `tether up` starts. Passive (no spinning) where the runtime is not GNU's, so that
+# The environment `tether up` (and the Dockerfile) gives its services, where the operator's does not say otherwise.
+# OpenMP's waits: passive (no spinning) where the runtime is not GNU's, so that
 # idle threads never starve the other services on the same cores; GNU libgomp's (torch's) threads spin this many
 # turns (~0.1 ms by its own estimate) before sleeping: a step alone in the pipeline runs on every thread
 # (`frames_in_flight`), and with no spin each of its ~200 parallel regions paid a futex wake (smollm2's 1-row step
 # on 2 threads: 54 ms passive, 33 spinning 10,000 turns, 38 on 1 thread; an idle gap cost no measurable CPU).
-OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+# gRPC core's log threshold: its default prints INFO lines such as "Got goaway ... connection idle" each time a
+# peer closes a connection idle for MAX_CONNECTION_IDLE_S (routine, not a fault); errors still print. Read when
+# gRPC is imported, so it must be in the environment a service starts with.
+SERVICE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", "GRPC_VERBOSITY": "ERROR"}
 
 # Batch invariance (docs/ARCHITECTURE.md): a request's logits are bitwise independent of its batch
 # neighbours, its prompt chunking and the pipeline split; always on (the plain kernels of

@@ -486,12 +486,12 @@ def test_dockerfile_base_user_workdir_entrypoint():
     assert "tether" in pyproject["project"]["scripts"]
 
 
-def test_dockerfile_sets_the_openmp_waits_tether_up_sets():
+def test_dockerfile_sets_the_service_environment_tether_up_sets():
     env: dict[str, str] = {}
     for instr, args in _dockerfile_instructions():
         if instr == "ENV":
             env.update(kv.split("=", 1) for kv in args.split())
-    assert {k: env.get(k) for k in settings.OMP_ENV} == settings.OMP_ENV
+    assert {k: env.get(k) for k in settings.SERVICE_ENV} == settings.SERVICE_ENV
 
 
 def test_dockerfile_exposes_every_port_compose_serves():

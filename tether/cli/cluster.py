@@ -446,8 +446,8 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             svc.log_path = self.log_dir / f"{svc.name}.log"
             out = open(svc.log_path, "ab")
-        # Bounded OpenMP waits (settings.OMP_ENV): long spins starve the other services sharing the cores.
-        env = {**settings.OMP_ENV, **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+        # Bounded OpenMP waits and gRPC's log threshold (settings.SERVICE_ENV), unless the operator set them.
+        env = {**settings.SERVICE_ENV, **os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         try:
             svc.proc = forkserver.spawn(svc.argv, _repo_root(), env, out)
         finally:
