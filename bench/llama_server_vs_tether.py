@@ -22,8 +22,9 @@ For each workload and concurrency: warm-up requests on both sides (not counted),
 side, alternating which goes first, on the same requests; the medians and tether ÷ llama-server. Beside each
 row, the most tok/s tether's arithmetic allows at that concurrency (bench/arithmetic_ceiling.py, timed in this
 process while nothing else runs: before the cluster starts for synthetic, after both servers stop for chat, whose
-answers' length is known only then: the mean of tether's own answers): a ratio under a target shows there whether
-the arithmetic or the rest of the serving falls short.
+answers' length is known only then: the mean of tether's own answers), and each row's verdict against its target
+(TARGETS): met, or short, and then whether the arithmetic itself falls short (its ceiling under the target) or the
+rest of the serving (the share of the ceiling the target needs against the share served).
 
     .venv/bin/python bench/llama_server_vs_tether.py --concurrency 1,8,32 --requests 8,16,32 --repeats 3
 """
@@ -112,6 +113,26 @@ def ceiling_text(workload: str, r: arithmetic_ceiling.Round, output_len: int) ->
     return (f"{workload} at {c} streams: decode {r.decode_ms:.1f} ms + head {r.head_ms:.1f} + {c}/{output_len} x "
             f"prefill {r.prefill_ms:.1f} ({r.prompts_a_call} a call; a prompt of {r.prompt_tokens} tokens as served, "
             f"the first {r.cached_tokens} from the prefix cache)")
+
+
+# The targets tether ÷ llama-server must reach on the default model, 2 stages, the same cores: by concurrency.
+TARGETS = {1: 1.0, 8: 2.0, 32: 2.0}
+
+
+def verdict(ratio: float | None, ceiling_ratio: float | None, target: float | None) -> str:
+    """A row against its target, and where it falls short, what does, from the measurements: the arithmetic (its
+    ceiling ÷ llama-server under the target: no serving reaches it) or the serving (the share of the ceiling the
+    target needs against the share served)."""
+    if target is None or ratio is None:
+        return "–"
+    if ratio >= target:
+        return f"met ({target:g}×)"
+    if not ceiling_ratio:
+        return f"short of {target:g}× (no ceiling timed)"
+    if ceiling_ratio < target:
+        return f"short of {target:g}×: the arithmetic alone allows {ceiling_ratio:.2f}×"
+    return (f"short of {target:g}×: needs {target / ceiling_ratio:.0%} of the ceiling served, "
+            f"{ratio / ceiling_ratio:.0%} was")
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -274,16 +295,17 @@ def main() -> None:
                        for (w, c), (r, out) in ceilings.items()]
     print()
     print("| workload | concurrency | requests | tether tok/s | llama-server tok/s | tether ÷ llama-server | "
-          "arithmetic ceiling tok/s (÷ llama-server) |")
-    print("|---|---|---|---|---|---|---|")
+          "arithmetic ceiling tok/s (÷ llama-server) | target |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in results:
         ceiling = ceilings.get((row["workload"], row["concurrency"]))
         top = ceiling[0].tok_s(ceiling[1]) if ceiling else None
+        top_ratio = top / row["llama_server_tok_s"] if top and row["llama_server_tok_s"] else None
         row["ceiling_tok_s"] = top
+        row["verdict"] = verdict(row["ratio"], top_ratio, TARGETS.get(row["concurrency"]))
         print(f"| {row['workload']} | {row['concurrency']} | {row['requests']} | {row['tether_tok_s']:.1f} | "
               f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} | "
-              + (f"{top:.1f} ({top / row['llama_server_tok_s']:.2f}×)" if top and row["llama_server_tok_s"] else "–")
-              + " |")
+              + (f"{top:.1f} ({top_ratio:.2f}×)" if top and top_ratio else "–") + f" | {row['verdict']} |")
     print("tether's served step (the stages' Stats over each run, medians): " + "; ".join(
         f"{row['workload']} at {row['concurrency']} streams: {cluster_stats.served_step_text(row['step'])}"
         for row in results) + " (the rest: the hops between the processes and the coordinator's turn)")

@@ -12,7 +12,7 @@ import pytest
 
 from bench import arithmetic_ceiling, llama_server
 from bench.chat_clients import chat_body
-from bench.llama_server_vs_tether import ceiling_text, median_step, served_output_len
+from bench.llama_server_vs_tether import TARGETS, ceiling_text, median_step, served_output_len, verdict
 
 AVX512 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni hypervisor rdrand"
 
@@ -183,6 +183,17 @@ def test_the_report_takes_each_part_of_tethers_served_step_as_its_median_over_th
             dict(step_ms=50.0, busy_ms=[14.0, 25.0], sampling_ms=4.0, rest_ms=11.0)]
     assert median_step(runs) == dict(step_ms=44.0, busy_ms=[15.0, 21.0], sampling_ms=3.0, rest_ms=7.0)
     assert median_step([None, None]) is None and median_step([]) is None
+
+
+def test_a_row_under_its_target_says_whether_the_arithmetic_or_the_serving_falls_short():
+    assert TARGETS == {1: 1.0, 8: 2.0, 32: 2.0}
+    assert verdict(2.05, 2.30, 2.0) == "met (2×)" and verdict(1.008, 1.59, 1.0) == "met (1×)"
+    # the ceiling over the target: the serving's share of it is what falls short (2.0 / 2.07, 1.53 / 2.07)
+    assert verdict(1.53, 2.07, 2.0) == "short of 2×: needs 97% of the ceiling served, 74% was"
+    # the ceiling under the target: no serving reaches it
+    assert verdict(1.44, 1.90, 2.0) == "short of 2×: the arithmetic alone allows 1.90×"
+    assert verdict(1.44, None, 2.0) == "short of 2× (no ceiling timed)"
+    assert verdict(3.0, 3.3, None) == "–" and verdict(None, 2.0, 2.0) == "–"   # no target there; no ratio
 
 
 def test_a_chat_rows_ceiling_takes_the_answers_length_tether_served():
