@@ -54,11 +54,28 @@ def request_bytes(request: admission_pb2.GenerateRequest) -> int:
     return len(request.prompt) + sum(len(m.content) for m in request.messages)
 
 
+# Characters of the last user message whose tokens estimate a conversation's tokens per character: a sample
+# bounds the extra tokenizing however long the message.
+RATIO_SAMPLE_CHARS = 2000
+
+
+def answer_tokens_per_char(valid: ValidRequest, limits: ModelLimits) -> float:
+    """The tokenizer's tokens per character in the answer's language, which turns a "不超过50字" limit into tokens:
+    measured on a raw prompt itself, and on a conversation's last user message (the answer follows its
+    language), not on the rendered conversation, whose chat template and system turn (often English) would
+    set it: on SmolLM2 a Chinese message is 1.7 tokens a character where its rendered conversation is 0.4, so
+    a "50 字" answer was cut at ~22 characters."""
+    users = [content for role, content in valid.messages if role == "user" and content.strip()]
+    if not users:
+        return len(valid.prompt_token_ids) / len(valid.prompt)
+    sample = users[-1][:RATIO_SAMPLE_CHARS]
+    return max(1, len(limits.tokenizer.encode(sample))) / len(sample)
+
+
 def admit(request: admission_pb2.GenerateRequest, limits: ModelLimits) -> tuple[ValidRequest, Tags]:
     """Validate and tag one request (raises ValidationError / ConversationError, both ValueErrors)."""
     valid = validate(request, limits)
-    # The tokenizer's ratio on this very prompt turns a "50 字" limit into tokens.
-    tokens_per_char = len(valid.prompt_token_ids) / len(valid.prompt)
+    tokens_per_char = answer_tokens_per_char(valid, limits)
     try:
         sizes = (len(valid.prompt_token_ids), valid.sampling.max_tokens)
         if valid.messages:   # its structure is given by the messages: tag that, not the rendered text

@@ -11,6 +11,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 
 from services.admission.front_work import Busy, FrontWork, WorkQueue, admit, model_limits
+from services.admission.tagger import implied_budget
 from tether.model.loader import resolve_model
 from tether.v1 import admission_pb2, common_pb2
 
@@ -37,6 +38,24 @@ def test_large_requests_go_to_a_worker_and_give_what_inline_gives(work):
         local = admit(r, work.limits)
         assert remote[1] == local[1] and remote[0].prompt_token_ids == local[0].prompt_token_ids
     assert asyncio.run(work.run(large, 30))[1].length_limit == 40
+
+
+def test_a_conversations_character_limit_is_counted_in_its_last_user_messages_tokens():
+    # SmolLM2's chat template renders an English system turn around the message: its rendered text runs ~0.4
+    # tokens a character where the Chinese message runs 1.7, and the budget once followed the rendered text (36
+    # tokens, ~22 of the 50 characters asked for)
+    limits = model_limits(resolve_model("smollm2"))
+    ask = "请用不超过50字向老人解释血糖仪读数"
+    chat = admission_pb2.GenerateRequest(messages=[admission_pb2.Message(role="user", content=ask.encode())],
+                                         sampling=common_pb2.SamplingParams(max_tokens=1000))
+    valid, tags = admit(chat, limits)
+    per_char = len(limits.tokenizer.encode(ask)) / len(ask)
+    assert len(valid.prompt_token_ids) / len(valid.prompt) < per_char / 3          # what the old ratio read
+    assert (tags.length_limit, tags.length_unit) == (50, "chars")
+    assert tags.output_budget == implied_budget(50, "chars", per_char) >= 50 * per_char
+    # a raw prompt is its own sample, as before
+    raw_valid, raw = admit(req(ask, 1000), limits)
+    assert raw.output_budget == implied_budget(50, "chars", len(raw_valid.prompt_token_ids) / len(ask))
 
 
 def test_a_refusal_in_a_worker_is_still_a_value_error_with_its_message(work):
