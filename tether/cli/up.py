@@ -37,7 +37,7 @@ DEMO_CHATS: list[tuple[list[tuple[str, str]], dict[str, Any]]] = [
 ]
 # One multi-turn exchange: the first reply is fed back as the assistant's turn, then a follow-up.
 DEMO_FOLLOW_UP = ("What is the capital of France?", "What is the most famous tower there?")
-# Raw prompts for a model without a chat template (the random presets: their answers are noise).
+# Raw prompts for a model without a chat template.
 DEMO_PROMPTS: list[tuple[str, dict[str, Any]]] = [
     ("请用不超过50字向老人解释血糖仪读数", dict(max_tokens=48)),
     ("Explain in under 30 words why the sky is blue.", dict(max_tokens=32)),
@@ -172,26 +172,29 @@ def _client(target: str, tls_dir: Path | None):
 
 
 def run_demo(target: str, model: str = settings.DEFAULT_MODEL, tls_dir: Path | None = None) -> None:
-    """A few real answers (conversations on a model with a chat template), or raw prompts on a random preset."""
+    """A few answers, with their tags: conversations on a model with a chat template, raw prompts on one without;
+    a random-weight preset's are noise, and the demo says so."""
     from tether.model.chat_template import load_chat_template
     from tether.model.loader import resolve_model
+    from tether.model.presets import PRESETS
 
     with _client(target, tls_dir) as client:
         if load_chat_template(resolve_model(model)) is None:
             for prompt, params in DEMO_PROMPTS:
                 _show(prompt, params, client.generate(prompt, **params))
-            print(f"\n({model} has random weights: its answers are noise. The default model, "
-                  f"{settings.DEFAULT_MODEL}, answers for real: `tether up --demo`)", flush=True)
-            return
-        for messages, params in DEMO_CHATS:
-            _show(messages[-1][1], params, client.chat(messages, **params))
-        first, follow_up = DEMO_FOLLOW_UP
-        reply = client.chat([("user", first)], max_tokens=32)
-        conversation = [("user", first), ("assistant", reply.text), ("user", follow_up)]
-        r = client.chat(conversation, max_tokens=48)
-        print(f"\n> a conversation: {first!r} -> {reply.text!r}, then {follow_up!r}", flush=True)
-        _show(follow_up, dict(max_tokens=48), r)
-    if model == settings.DEFAULT_MODEL:
+        else:
+            for messages, params in DEMO_CHATS:
+                _show(messages[-1][1], params, client.chat(messages, **params))
+            first, follow_up = DEMO_FOLLOW_UP
+            reply = client.chat([("user", first)], max_tokens=32)
+            conversation = [("user", first), ("assistant", reply.text), ("user", follow_up)]
+            r = client.chat(conversation, max_tokens=48)
+            print(f"\n> a conversation: {first!r} -> {reply.text!r}, then {follow_up!r}", flush=True)
+            _show(follow_up, dict(max_tokens=48), r)
+    if model in PRESETS:   # a random-weight preset (with a chat template or not): say so, or its output looks broken
+        print(f"\n({model} has random weights: its answers are noise. The default model, "
+              f"{settings.DEFAULT_MODEL}, answers for real: `tether up --demo`)", flush=True)
+    elif model == settings.DEFAULT_MODEL:
         print("\n(SmolLM2-135M-Instruct is small: its English answers are short and sometimes wrong, and its Chinese "
               "is weak — the Chinese prompt is here to show the tags)", flush=True)
 
