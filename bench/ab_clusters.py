@@ -73,12 +73,12 @@ def pairs_summary(a: list[float], b: list[float]) -> dict:
 def start(side: str, args: argparse.Namespace, extra: dict[str, list[str]], env: dict[str, str], logs: Path):
     """Side `side`'s cluster, its variables set only while its processes start (they inherit them)."""
     from tether.cli.cluster import LocalCluster
+    from tether.loadtest.cli import stage_threads
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)   # as `tether up` divides them
-        cluster = LocalCluster(model=args.model, stages=args.stages, threads=threads, log_dir=logs / side,
-                               extra=extra)
+        cluster = LocalCluster(model=args.model, stages=args.stages, threads=stage_threads(args),
+                               log_dir=logs / side, extra=extra)
         print(f"starting {side}: extra {extra or '-'}, env {env or '-'} (logs {logs / side}) ...", file=sys.stderr,
               flush=True)
         return cluster.start(timeout=600)

@@ -305,7 +305,7 @@ def main() -> None:
         row["verdict"] = verdict(row["ratio"], top_ratio, TARGETS.get(row["concurrency"]))
         print(f"| {row['workload']} | {row['concurrency']} | {row['requests']} | {row['tether_tok_s']:.1f} | "
               f"{row['llama_server_tok_s']:.1f} | {fmt(row['ratio'], 3)} | "
-              + (f"{top:.1f} ({top_ratio:.2f}×)" if top and top_ratio else "–") + f" | {row['verdict']} |")
+              + (f"{top:.1f} ({top_ratio:.2f}×)" if top_ratio else "–") + f" | {row['verdict']} |")
     print("tether's served step (the stages' Stats over each run, medians): " + "; ".join(
         f"{row['workload']} at {row['concurrency']} streams: {cluster_stats.served_step_text(row['step'])}"
         for row in results) + " (the rest: the hops between the processes and the coordinator's turn)")

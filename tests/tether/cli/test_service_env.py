@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tether import settings
 from tether.cli.cluster import LocalCluster, Service
 
@@ -45,7 +47,8 @@ def _idle_goaway_stderr(env: dict[str, str]) -> str:
 
 def test_grpcs_default_threshold_prints_an_idle_goaway_and_the_service_environment_does_not():
     plain = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    assert "Got goaway" in _idle_goaway_stderr(plain)      # what a service printed before SERVICE_ENV had it
+    if "Got goaway" not in _idle_goaway_stderr(plain):    # what a service printed before SERVICE_ENV had it
+        pytest.skip("this grpcio does not log an idle connection's GOAWAY by default: nothing to silence")
     assert "goaway" not in _idle_goaway_stderr({**plain, **settings.SERVICE_ENV}).lower()
 
 
